@@ -1,0 +1,240 @@
+"""Bucket layout: which gradient leaf lives where in which flat bucket.
+
+The layout follows Megatron-LM's ``_ParamAndGradBuffer``: leaves are taken in the order their
+gradients become ready in backward, a leaf is never split across buckets, a bucket closes as
+soon as it holds at least ``bucket_size`` elements, and each bucket is padded so that it splits
+evenly over the data-parallel axis (to a multiple of ``lcm(axis_size, 128)`` elements). Leaves
+of different dtypes never share a bucket.
+
+Buckets are numbered in *dispatch order*: the order in which they become complete during
+backward, which is the order their collectives are issued and chained.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.zeros((95, 95)), "b": jnp.zeros((95,))}
+    >>> layout = BucketLayout.build(params, bucket_size=9000, shard_multiple=128)
+    >>> layout.bucket_sizes  # "w" (9025 >= 9000) closes bucket 0; "b" is left over
+    (9088, 128)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSlot:
+    """Where one leaf lives: ``bucket``'s elements ``[offset, offset + size)``."""
+
+    index: int  # position in ``jax.tree.leaves`` order
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    bucket: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One flat bucket: its leaves (layout order), used elements and padded size."""
+
+    index: int
+    dtype: np.dtype
+    leaves: tuple[int, ...]
+    num_elements: int
+    padded_size: int
+
+    @property
+    def padding(self) -> int:
+        return self.padded_size - self.num_elements
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Readable ``a/b/0/kernel`` paths of a pytree's leaves, in ``jax.tree.leaves`` order."""
+    with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return ["/".join(_key_str(k) for k in path) or "<root>" for path, _ in with_paths]
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
+    order = tuple(int(i) for i in order)
+    if sorted(order) != list(range(num_leaves)):
+        raise ValueError(
+            f"order must be a permutation of the {num_leaves} leaf indices (jax.tree.leaves "
+            f"order), e.g. from jax_drain.grad_ready_order(...); got {list(order)[:16]}"
+            f"{'...' if len(order) > 16 else ''}"
+        )
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """An immutable map from a pytree's leaves to padded flat buckets (dispatch order)."""
+
+    treedef: Any
+    slots: tuple[LeafSlot, ...]  # indexed by leaf index
+    buckets: tuple[Bucket, ...]  # dispatch order
+    shard_multiple: int
+
+    @classmethod
+    def build(
+        cls,
+        tree: PyTree,
+        bucket_size: int | None,
+        shard_multiple: int = 128,
+        order: Sequence[int] | None = None,
+    ) -> "BucketLayout":
+        """Lays out the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s).
+
+        Args:
+            tree: the parameter (or gradient) pytree; only shapes and dtypes are read.
+            bucket_size: a bucket closes once it holds at least this many elements;
+                ``None`` puts each dtype's leaves in a single bucket.
+            shard_multiple: each bucket's padded size is a multiple of this.
+            order: the leaf indices in the order their gradients become ready
+                (``grad_ready_order``); ``None`` means reverse ``jax.tree.leaves`` order.
+        """
+        if bucket_size is not None and (isinstance(bucket_size, bool) or int(bucket_size) < 1):
+            raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
+        if shard_multiple < 1:
+            raise ValueError(f"shard_multiple must be >= 1, got {shard_multiple}")
+        leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            raise ValueError("the parameter tree has no leaves; nothing to synchronise")
+        paths = leaf_paths(tree)
+        for path, leaf in zip(paths, leaves):
+            dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(
+                    f"leaf {path!r} has dtype {dtype}; only floating-point leaves have gradients "
+                    "to synchronise. Split integer/boolean state out of the tree you pass in."
+                )
+        order = tuple(reversed(range(len(leaves)))) if order is None else _check_order(order, len(leaves))
+
+        # One open bucket per dtype; buckets are numbered when they close, which is dispatch order.
+        open_buckets: dict[np.dtype, list[int]] = {}
+        closed: list[tuple[np.dtype, list[int]]] = []
+        for i in order:
+            dtype = np.dtype(leaves[i].dtype)
+            members = open_buckets.setdefault(dtype, [])
+            members.append(i)
+            if bucket_size is not None and sum(_size(leaves[j]) for j in members) >= bucket_size:
+                closed.append((dtype, open_buckets.pop(dtype)))
+        # Remaining partial buckets close when their last leaf is ready.
+        position = {leaf: k for k, leaf in enumerate(order)}
+        for dtype, members in sorted(open_buckets.items(), key=lambda kv: position[kv[1][-1]]):
+            closed.append((dtype, members))
+
+        slots: list[LeafSlot | None] = [None] * len(leaves)
+        buckets = []
+        for b, (dtype, members) in enumerate(closed):
+            offset = 0
+            for i in members:
+                slots[i] = LeafSlot(i, paths[i], tuple(leaves[i].shape), dtype, b, offset)
+                offset += _size(leaves[i])
+            padded = max(shard_multiple, -(-offset // shard_multiple) * shard_multiple)
+            buckets.append(Bucket(b, dtype, tuple(members), offset, padded))
+        return cls(treedef, tuple(slots), tuple(buckets), shard_multiple)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """Padded element count of each bucket, dispatch order."""
+        return tuple(b.padded_size for b in self.buckets)
+
+    def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True) -> list:
+        """Returns ``tree``'s leaves after checking structure, shapes (and dtypes) match."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"{what} structure differs from the layout's parameter tree:\n"
+                f"  expected {self.treedef}\n  got      {treedef}"
+            )
+        for slot, leaf in zip(self.slots, leaves):
+            if tuple(leaf.shape) != slot.shape:
+                raise ValueError(
+                    f"{what} leaf {slot.path!r} has shape {tuple(leaf.shape)}, the layout expects "
+                    f"{slot.shape} (the per-device shape inside shard_map)"
+                )
+            if check_dtypes and np.dtype(leaf.dtype) != slot.dtype:
+                raise TypeError(
+                    f"{what} leaf {slot.path!r} has dtype {np.dtype(leaf.dtype)}, the layout expects "
+                    f"{slot.dtype}; cast the tree or build the layout from matching parameters"
+                )
+        return leaves
+
+    def flatten(self, tree: PyTree, dtype: Any = None) -> tuple[jax.Array, ...]:
+        """Packs ``tree`` into 1-D zero-padded buckets (dispatch order).
+
+        With ``dtype=None`` leaf dtypes must match the layout; otherwise every bucket is cast
+        to ``dtype`` (e.g. float32 master copies of bf16 parameters).
+        """
+        leaves = self.check_tree(tree, check_dtypes=dtype is None)
+        out = []
+        for bucket in self.buckets:
+            bucket_dtype = bucket.dtype if dtype is None else dtype
+            parts = [jnp.ravel(leaves[i]).astype(bucket_dtype) for i in bucket.leaves]
+            if bucket.padding:
+                parts.append(jnp.zeros((bucket.padding,), bucket_dtype))
+            out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+        return tuple(out)
+
+    def unflatten(self, buckets: Sequence[jax.Array]) -> PyTree:
+        """Inverse of :meth:`flatten`: leaves take their bucket's dtype."""
+        buckets = tuple(buckets)
+        if len(buckets) != self.num_buckets:
+            raise ValueError(f"expected {self.num_buckets} buckets, got {len(buckets)}")
+        for bucket, array in zip(self.buckets, buckets):
+            if tuple(array.shape) != (bucket.padded_size,):
+                raise ValueError(
+                    f"bucket {bucket.index} has shape {tuple(array.shape)}, expected "
+                    f"({bucket.padded_size},); pass whole buckets, not per-device shards"
+                )
+        leaves = [
+            buckets[s.bucket][s.offset : s.offset + s.size].reshape(s.shape) for s in self.slots
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def table(self) -> str:
+        """A readable table: one row per leaf, one padding row per bucket."""
+        rows = [("bucket", "dtype", "offset", "size", "leaf")]
+        for bucket in self.buckets:
+            for i in bucket.leaves:
+                slot = self.slots[i]
+                rows.append((str(bucket.index), str(bucket.dtype), str(slot.offset), str(slot.size), slot.path))
+            rows.append(
+                (str(bucket.index), str(bucket.dtype), str(bucket.num_elements), str(bucket.padding),
+                 f"<padding>  (bucket total {bucket.padded_size})")
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        lines = [
+            "  ".join(r[c].rjust(widths[c]) if c in (2, 3) else r[c].ljust(widths[c]) for c in range(4))
+            + "  " + r[4]
+            for r in rows
+        ]
+        return "\n".join(lines)
+
+
+def _size(leaf: Any) -> int:
+    return math.prod(leaf.shape)

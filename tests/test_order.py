@@ -1,0 +1,53 @@
+"""grad_ready_order: backward order from the traced loss, not pytree order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_drain as jd
+
+
+def tied_model_params(vocab=64, d=16):
+    # Keys deliberately out of forward order: forward is embed -> z0 -> a1 -> m2 -> embed.T.
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"a1": shape(d, d), "embed": shape(vocab, d), "m2": shape(d, d), "z0": shape(d, d)}
+
+
+def tied_loss(p, tokens, remat=False, jit_layers=False):
+    layer = lambda h, w: jnp.tanh(h @ w)
+    if remat:
+        layer = jax.checkpoint(layer)
+    if jit_layers:
+        layer = jax.jit(layer)
+    h = p["embed"][tokens]
+    for name in ("z0", "a1", "m2"):
+        h = layer(h, p[name])
+    logits = h @ p["embed"].T
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("jit_layers", [False, True])
+def test_tied_embedding_is_ready_last(remat, jit_layers):
+    params = tied_model_params()
+    tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    order = jd.grad_ready_order(lambda p, t: tied_loss(p, t, remat, jit_layers), params, tokens)
+    names = sorted(params)  # jax.tree.leaves order of a dict
+    assert [names[i] for i in order] == ["m2", "a1", "z0", "embed"]
+
+
+def test_concrete_arrays_and_unused_leaves():
+    rng = np.random.default_rng(0)
+    params = {"used": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32), "unused": jnp.asarray(rng.normal(size=(2,)))}
+    order = jd.grad_ready_order(lambda p, x: jnp.sum(x @ p["used"]), params, jnp.asarray(rng.normal(size=(2, 3))))
+    # "unused" gets a constant zero gradient, ready before anything is computed.
+    assert order == (0, 1)  # leaves: [unused, used]
+
+
+def test_has_aux_and_default_layout_differs():
+    params = tied_model_params()
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    order = jd.grad_ready_order(lambda p, t: (tied_loss(p, t), {"n": 1}), params, tokens, has_aux=True)
+    assert order != tuple(reversed(range(4)))  # reverse pytree order would be wrong here
+    assert sorted(order) == [0, 1, 2, 3]
