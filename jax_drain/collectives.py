@@ -11,6 +11,10 @@ Modes (``REDUCE_MODES``):
   in the gradient dtype (the same wire bytes as ``"bf16"``), then a local float32 sum over the
   ``axis_size`` received chunks. Costs one full-bucket scratch buffer (the all-to-all output)
   until the sum has consumed it -- the buffer the drain bounds.
+* ``"fp32_accum_streamed"`` -- the same wire bytes and float32 accumulation without the
+  full-bucket scratch: the all-to-all is decomposed into ``axis_size - 1`` ``ppermute`` steps
+  and each received chunk is added into the float32 accumulator as it arrives
+  (:func:`streamed_reduce_scatter`). Scratch is O(bucket / axis_size).
 
 Example (inside ``shard_map`` over a mesh with a ``"data"`` axis of size 8)::
 
@@ -25,7 +29,11 @@ import jax.numpy as jnp
 
 from jax_drain._compat import AxisName, axis_size
 
-REDUCE_MODES = ("bf16", "fp32", "fp32_accum")
+REDUCE_MODES = ("bf16", "fp32", "fp32_accum", "fp32_accum_streamed")
+
+# Point-to-point steps of the streamed mode allowed to be unfinished at once: two lets the add
+# of step s overlap the transfer of step s + 1 while bounding scratch to two chunks.
+STREAM_DEPTH = 2
 
 
 def check_mode(mode: str) -> str:
@@ -53,9 +61,38 @@ def reduce_scatter_bucket(bucket: jax.Array, axis: AxisName, *, mode: str, avera
         shard = jax.lax.psum_scatter(bucket, axis, scatter_dimension=0, tiled=True).astype(jnp.float32)
     elif mode == "fp32":
         shard = jax.lax.psum_scatter(bucket.astype(jnp.float32), axis, scatter_dimension=0, tiled=True)
+    elif mode == "fp32_accum_streamed":
+        shard = streamed_reduce_scatter(bucket, axis)
     else:  # fp32_accum
         chunks = bucket.reshape(n, bucket.shape[0] // n)
         # Row j of `received` is device j's copy of the chunk this device owns.
         received = jax.lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0, tiled=True)
         shard = jnp.sum(received.astype(jnp.float32), axis=0)
     return shard / n if average and n > 1 else shard
+
+
+def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
+    """fp32-accumulated reduce-scatter as ``axis_size - 1`` point-to-point steps.
+
+    At step ``s`` (1 <= s < n) device ``r`` sends the chunk owned by device ``(r + s) % n`` to
+    that device and receives its own chunk from device ``(r - s) % n``, adding it into a float32
+    accumulator that starts as its own chunk. The wire bytes equal one all-to-all; the scratch
+    is ``STREAM_DEPTH`` chunks instead of a whole bucket, because step ``s + STREAM_DEPTH``'s send
+    is fenced behind the accumulator of step ``s``.
+
+    Summation order: own chunk first, then the chunks of devices ``r - 1, r - 2, ...`` one by
+    one, left to right in float32; ``"fp32_accum"`` sums all ``n`` chunks in one XLA reduce
+    instead, so the two agree to float32 rounding, not bit for bit.
+    """
+    n = axis_size(axis)
+    chunks = bucket.reshape(n, bucket.shape[0] // n)
+    rank = jax.lax.axis_index(axis)
+    owned = lambda owner: jax.lax.dynamic_index_in_dim(chunks, owner % n, axis=0, keepdims=False)
+    accumulators = [owned(rank).astype(jnp.float32)]
+    for step in range(1, n):
+        send = owned(rank + step)
+        if step > STREAM_DEPTH:
+            _, send = jax.lax.optimization_barrier((accumulators[step - STREAM_DEPTH], send))
+        received = jax.lax.ppermute(send, axis, perm=[(j, (j + step) % n) for j in range(n)])
+        accumulators.append(accumulators[-1] + received.astype(jnp.float32))
+    return accumulators[-1]

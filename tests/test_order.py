@@ -51,3 +51,17 @@ def test_has_aux_and_default_layout_differs():
     order = jd.grad_ready_order(lambda p, t: (tied_loss(p, t), {"n": 1}), params, tokens, has_aux=True)
     assert order != tuple(reversed(range(4)))  # reverse pytree order would be wrong here
     assert sorted(order) == [0, 1, 2, 3]
+
+
+def test_flax_gpt_backward_order():
+    from jax_drain import models
+
+    config = models.preset("tiny-tied")
+    params = models.abstract_params(config)
+    order = jd.grad_ready_order(models.make_loss(config), params, models.example_batch(config, 2))
+    paths = [models.leaf_paths(params)[i] for i in order]
+    assert paths[-1] == "embed/embedding"  # tied: first use in forward, so complete last
+    assert paths[:2] == ["ln_f/bias", "ln_f/scale"] or paths[:2] == ["ln_f/scale", "ln_f/bias"]
+    block_of = [int(p.split("/")[1]) for p in paths if p.startswith("blocks/")]
+    assert block_of == sorted(block_of, reverse=True)  # the last block's gradients come first
+    assert paths.index("blocks/1/mlp/fc_out/kernel") < paths.index("blocks/1/attn/qkv/kernel")
