@@ -362,12 +362,15 @@ def plan_preset(
     bucket_size: int | None = None,
     num_buckets: int | None = None,
     micro_batch: int = 1,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Plan:
     """Plans a built-in GPT preset (:mod:`jax_drain.models`) with one strategy.
 
-    Give ``bucket_size`` (elements) or ``num_buckets`` (approximate; the report holds the real
-    count). ``"gspmd+flags"`` compiles with XLA's reduce-scatter combine threshold at the
-    bucket's bytes and the latency-hiding scheduler on.
+    Give ``bucket_size`` (elements) or ``num_buckets`` (the report holds the real count).
+    ``"gspmd+flags"`` compiles with XLA's reduce-scatter combine threshold at the bucket's
+    bytes and the latency-hiding scheduler on. XLA keeps one async collective in flight by
+    default; a drain depth K > 1 needs
+    ``compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": K}``.
     """
     config = models.preset(preset) if isinstance(preset, str) else preset
     strat = Strategy.parse(strategy)
@@ -378,16 +381,15 @@ def plan_preset(
         order = grad_ready_order(models.make_loss(config), params, models.example_batch(config, mesh.size))
         bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order)
     step, args, sync = build_step(strat, config, mesh, bucket_size=bucket_size, micro_batch=micro_batch)
-    options, notes = None, []
+    options, notes = dict(compiler_options or {}), []
     if strat.name == "gspmd+flags":
         itemsize = jnp.dtype(config.param_dtype).itemsize
-        options = {
-            "xla_gpu_reduce_scatter_combine_threshold_bytes": bucket_size * itemsize,
-            "xla_gpu_enable_latency_hiding_scheduler": True,
-        }
-        notes.append(f"compiled with {options}")
+        options.setdefault("xla_gpu_reduce_scatter_combine_threshold_bytes", bucket_size * itemsize)
+        options.setdefault("xla_gpu_enable_latency_hiding_scheduler", True)
+    if options:
+        notes.append(f"XLA options {options}")
     return plan(
-        step, *args, target=target, topology=topology, compiler_options=options,
+        step, *args, target=target, topology=topology, compiler_options=options or None,
         scope=None if sync is None else SCOPE_PREFIX,
         strategy=strat.name, num_buckets=None if sync is None else sync.num_buckets,
         bucket_size=bucket_size, notes=tuple(notes),
@@ -419,6 +421,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, help="override the preset's attention heads")
     p.add_argument("--seq", type=int, help="override the preset's sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per device")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compile option, e.g. xla_gpu_experimental_parallel_collective_overlap_limit=2")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot live bytes over the schedule")
     return p
@@ -437,12 +441,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.step:
-            report = _plan_user_step(args.step, args.target, args.topology)
+            report = _plan_user_step(args.step, args.target, args.topology, _xla_options(args.xla_option))
         else:
             config = preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq)
             report = plan_preset(
                 config, args.strategy, args.target, args.topology, bucket_size=args.bucket_size,
                 num_buckets=None if args.bucket_size else args.num_buckets, micro_batch=args.micro_batch,
+                compiler_options=_xla_options(args.xla_option),
             )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -456,7 +461,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _plan_user_step(spec: str, target: str, topology: str) -> Plan:
+def _xla_options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--xla-option takes NAME=VALUE, got {pair!r}")
+        lowered = value.lower()
+        options[name] = (lowered == "true") if lowered in ("true", "false") else (
+            int(value) if re.fullmatch(r"-?\d+", value) else value)
+    return options
+
+
+def _plan_user_step(spec: str, target: str, topology: str, options: dict[str, Any]) -> Plan:
     module_name, _, func_name = spec.partition(":")
     if not module_name or not func_name:
         raise ValueError(f"--step takes MODULE:FUNCTION, got {spec!r}")
@@ -464,7 +481,7 @@ def _plan_user_step(spec: str, target: str, topology: str) -> Plan:
     slices, hosts, gpus = parse_topology(topology)
     mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=target, topology=topology)
     step, args = make(mesh)
-    return plan(step, *args, target=target, topology=topology)
+    return plan(step, *args, target=target, topology=topology, compiler_options=options or None)
 
 
 if __name__ == "__main__":

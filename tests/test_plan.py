@@ -1,0 +1,125 @@
+"""The planner on compile-only GPU devices, with the tiny presets (fast)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_drain import plan
+from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"),
+]
+
+TINY = plan.preset_config("tiny", layers=2, d_model=256)
+OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    run = lambda strategy, **kw: plan.plan_preset(TINY, strategy, num_buckets=6, **kw)
+    return {
+        "drained": run("fp32_accum+drain"),
+        "undrained": run("fp32_accum", compiler_options=OVERLAP_4),
+        "drain2": run("fp32_accum+drain2", compiler_options=OVERLAP_4),
+        "gspmd": run("gspmd"),
+        "no_comm": run("no_comm"),
+    }
+
+
+def test_finds_one_collective_per_bucket_and_the_in_flight_bound(reports):
+    drained = reports["drained"]
+    assert drained.num_buckets >= 6
+    assert len(drained.collectives) == drained.num_buckets == drained.pairs
+    assert {(c.kind, c.dtype) for c in drained.collectives} == {("all-to-all", "bf16")}
+    assert sorted(plan._bucket_of(c) for c in drained.collectives) == list(range(drained.num_buckets))
+    assert drained.buckets_in_flight == 1
+    assert reports["drain2"].buckets_in_flight == 2
+    assert reports["undrained"].buckets_in_flight > 2
+    assert reports["no_comm"].collectives == () and reports["no_comm"].buckets_in_flight == 0
+    assert reports["gspmd"].strategy == "gspmd" and reports["gspmd"].collectives  # XLA's own
+
+
+def test_json_fields_are_present_and_consistent(reports, tmp_path):
+    row = reports["drained"].to_json()
+    for field in ("strategy", "num_buckets", "temp_bytes", "pairs", "overlapped", "compile_s",
+                  "argument_bytes", "output_bytes", "buckets_in_flight", "collectives"):
+        assert field in row
+    assert row["strategy"] == "fp32_accum+drain"
+    assert row["pairs"] == len(row["collectives"]) and 0 <= row["overlapped"] <= row["pairs"]
+    assert row["overlapped"] == sum(c["overlapped"] for c in row["collectives"])
+    assert row["temp_bytes"] > 0 and row["output_bytes"] > 0
+    json.dumps(row)  # serialisable
+
+
+def test_table_and_plot(reports, tmp_path):
+    table = reports["drained"].table()
+    assert "fp32_accum+drain" in table and "all-to-all" in table and "temp" in table
+    path = tmp_path / "plan.png"
+    reports["drained"].plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    code = plan.main(["--preset", "tiny", "--layers", "2", "--strategy", "bf16+drain", "--num-buckets", "4",
+                      "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    row = json.loads(out.read_text())
+    assert row["strategy"] == "bf16+drain" and row["num_buckets"] >= 4
+    assert {c["kind"] for c in row["collectives"]} == {"reduce-scatter"}
+    assert png.exists() and "reduce-scatter" in capsys.readouterr().out
+
+
+def test_plan_of_a_user_step():
+    mesh = gpu_mesh((8,), ("data",))
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    step = jax.jit(lambda x: jnp.sum(x ** 2, axis=0), in_shardings=NamedSharding(mesh, P("data")),
+                   out_shardings=NamedSharding(mesh, P()))
+    report = plan.plan(step, jax.ShapeDtypeStruct((8 * 128, 256), jnp.float32), scope=None)
+    assert report.num_devices == 8
+    assert [c.kind for c in report.collectives] == ["all-reduce"]
+
+
+def test_bad_inputs(capsys):
+    with pytest.raises(ValueError, match="unknown GPU target|known targets"):
+        plan.plan_preset(TINY, "bf16", target="tpu9", num_buckets=2)
+    with pytest.raises(ValueError, match="topology"):
+        plan.plan_preset(TINY, "bf16", topology="8xx", num_buckets=2)
+    with pytest.raises(ValueError, match="unknown strategy 'fp64'"):
+        plan.plan_preset(TINY, "fp64", num_buckets=2)
+    mesh = gpu_mesh((8,), ("data",))
+
+    def broken(x):
+        return x @ jnp.ones((3, 3))  # shapes do not match: fails while tracing
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    step = jax.jit(broken, in_shardings=NamedSharding(mesh, P("data")))
+    with pytest.raises(plan.PlanError, match="could not trace the step"):
+        plan.plan(step, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    assert plan.main(["--preset", "tiny", "--target", "v100"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert plan.main(["--preset", "tiny", "--xla-option", "novalue"]) == 2
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("gspmd", (None, None)), ("no_comm", (None, None)), ("bf16", ("bf16", None)),
+    ("fp32_accum+drain", ("fp32_accum", 1)), ("fp32_accum_streamed+drain4", ("fp32_accum_streamed", 4)),
+])
+def test_strategy_names(name, expected):
+    s = plan.Strategy.parse(name)
+    assert (s.reduce, s.max_in_flight) == expected and s.name == name
+
+
+def test_bucket_size_for_gives_the_requested_count():
+    params = {f"w{i}": jax.ShapeDtypeStruct((100 + i, 64), jnp.bfloat16) for i in range(12)}
+    from jax_drain.layout import BucketLayout
+    for want in (1, 3, 5, 12):
+        size = plan.bucket_size_for(params, want)
+        assert BucketLayout.build(params, size, 128).num_buckets >= want
+        if want > 1:  # the largest such size: one more element merges two buckets
+            assert BucketLayout.build(params, size + 1, 128).num_buckets < want
