@@ -296,12 +296,11 @@ def bucket_size_for(params: Any, num_buckets: int, axis_size: int = 8, order: Se
     """
     count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order).num_buckets
     total = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    low, high = 1, max(1, total)  # count(low) is the most buckets possible
-    if count(low) <= num_buckets:
-        return low
-    while low < high:  # largest size with count >= num_buckets
+    want = min(num_buckets, count(1))  # count(1): one bucket per leaf, the most possible
+    low, high = 1, max(1, total)
+    while low < high:  # the largest size with count >= want
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if count(mid) >= num_buckets else (low, mid - 1)
+        low, high = (mid, high) if count(mid) >= want else (low, mid - 1)
     return low
 
 
