@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_drain.layout import leaf_paths
+
 __all__ = [
     "GPTConfig",
     "PRESETS",
@@ -419,14 +421,3 @@ def example_batch(config: GPTConfig, batch_size: int, key: jax.Array | None = No
         "x": jax.random.normal(key_x, spec["x"].shape, spec["x"].dtype),
         "y": jax.random.normal(key_y, spec["y"].shape, spec["y"].dtype),
     }
-
-
-def leaf_paths(params: Params) -> list[str]:
-    """``"blocks/0/attn/qkv/kernel"``-style names of the leaves, in ``jax.tree.leaves`` order.
-
-    Example::
-
-        leaf_paths(abstract_params(preset("tiny")))[0]  # 'blocks/0/attn/out/kernel'
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
