@@ -96,3 +96,43 @@ def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
         received = jax.lax.ppermute(send, axis, perm=[(j, (j + step) % n) for j in range(n)])
         accumulators.append(accumulators[-1] + received.astype(jnp.float32))
     return accumulators[-1]
+
+
+def all_gather_bucket(shard: jax.Array, axis: AxisName, dtype: jnp.dtype | None = None) -> jax.Array:
+    """Gathers every device's 1-D ``shard`` of a bucket over ``axis``: the whole bucket, replicated.
+
+    The inverse of :func:`reduce_scatter_bucket`'s split: device ``r``'s shard lands at elements
+    ``[r * n, (r + 1) * n)``. ``dtype`` (e.g. the parameters' bf16) is applied *before* the
+    gather, so the wire carries the narrow type. The result is typed as invariant along
+    ``axis`` (identical on every device), so it can leave ``shard_map`` with ``out_specs=P()``.
+
+    Example (inside ``shard_map``; ``master``: this device's float32 slice of a bf16 bucket)::
+
+        bucket = all_gather_bucket(master, "data", dtype=jnp.bfloat16)  # bf16[8 * master.size]
+    """
+    if shard.ndim != 1:
+        raise ValueError(f"a bucket shard is 1-D, got shape {shard.shape}")
+    if dtype is not None:
+        shard = shard.astype(dtype)
+    return jax.lax.all_gather(shard, axis, axis=0, tiled=True, to="invarying")
+
+
+def all_reduce_shard(shard: jax.Array, axis: AxisName, *, wire_dtype: jnp.dtype | None = None) -> jax.Array:
+    """Sums a reduce-scattered 1-D ``shard`` over ``axis``: the outer step of a hierarchical reduction.
+
+    After :func:`reduce_scatter_bucket` over the inner (intra-host) axis, the devices holding
+    the same shard on different replicas (hosts) all-reduce it over the outer axis -- HSDP, or
+    Megatron-LM's ``num_distributed_optimizer_instances > 1``. The all-reduce runs in
+    ``wire_dtype`` (float32 by default, keeping an fp32-accumulated shard's precision; pass the
+    gradient dtype for a bf16-wire baseline) and the result is float32, invariant along ``axis``.
+
+    Example (inside ``shard_map`` over ``("replica", "data")``)::
+
+        shard = reduce_scatter_bucket(bucket, "data", mode="fp32_accum", average=False)
+        shard = all_reduce_shard(shard, "replica") / (4 * 2)   # mean over 8 devices
+    """
+    if shard.ndim != 1:
+        raise ValueError(f"a bucket shard is 1-D, got shape {shard.shape}")
+    wire = jnp.float32 if wire_dtype is None else wire_dtype
+    # Even over a size-1 axis: the psum is what types the result as invariant along ``axis``.
+    return jax.lax.psum(shard.astype(wire), axis).astype(jnp.float32)

@@ -5,7 +5,11 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+# JAX_DRAIN_TEST_PLATFORM=gpu (or cuda, rocm) also brings up the real accelerators, for
+# tests/test_gpu_devices.py. CPU stays first, the default backend, so other tests are unchanged.
+_ACCELERATOR = os.environ.get("JAX_DRAIN_TEST_PLATFORM", "cpu").lower()
+_ACCELERATOR = "cuda" if _ACCELERATOR == "gpu" else _ACCELERATOR
+os.environ["JAX_PLATFORMS"] = "cpu" if _ACCELERATOR == "cpu" else f"cpu,{_ACCELERATOR}"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

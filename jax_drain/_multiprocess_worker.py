@@ -1,0 +1,311 @@
+"""Multi-process check: the same GradSync / DistributedOptimizer steps under ``jax.distributed``.
+
+Each process runs :func:`run` on the *global* device list; the results must equal a single
+process's over as many devices (bit for bit on CPU). Two computations, both drained and
+fp32-accumulated, on a mesh whose outer ``replica`` axis is the process (host) axis:
+
+* ``sync/*``: tensor parallel + hierarchical ``GradSync.value_and_grad`` on
+  ``("replica", "data", "model") = (2, n/4, 2)``: the loss and every gradient shard;
+* ``opt/*``: ``steps`` Adam steps of a :class:`~jax_drain.DistributedOptimizer` over a
+  hierarchical sync on ``("replica", "data") = (2, n/2)``: losses, parameters, master shards.
+
+Usage (``n`` = global device count, a multiple of 4)::
+
+    # localhost, 2 processes x 4 CPU devices, started, watched and stopped for you:
+    python -m jax_drain._multiprocess_worker --launch 2 --devices-per-process 4 --out /tmp/mp
+    # the single-process reference over 8 CPU devices:
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m jax_drain._multiprocess_worker --out /tmp/ref
+    python -m jax_drain._multiprocess_worker --compare /tmp/mp/process0.npz /tmp/ref/process0.npz
+
+    # several hosts (one process per host, all GPUs of the host), on every host:
+    python -m jax_drain._multiprocess_worker --platform gpu --coordinator HOST0:12345 \\
+        --num-processes 2 --process-id $RANK --out /shared/mp
+
+Programmatic: ``launch_local(2, 4, out_dir, timeout=240)`` (what tests/test_multiprocess.py
+does) and ``run(jax.devices())``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+D, H, LAYERS = 32, 64, 2
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sorted_devices(devices: Sequence[Any]) -> list:
+    """Process-major device order, so a leading mesh axis of size ``process_count`` is the process."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def _global(mesh: Any, spec: Any, value: np.ndarray) -> Any:
+    """A global ``jax.Array`` of ``value`` (the same on every process) with ``spec`` on ``mesh``."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda idx: value[idx])
+
+
+def fetch(x: Any) -> np.ndarray:
+    """The whole value of a global array on this process (gathered if it spans processes)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _tp_loss(p: dict, x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    h = x
+    for i in range(LAYERS):
+        q = p[f"layer{i}"]
+        z = jax.nn.gelu((h * q["norm"]).astype(jnp.bfloat16) @ q["w_in"])
+        h = h + jax.lax.psum((z @ q["w_out"]).astype(jnp.float32), "model")  # row parallel
+    return jnp.mean(h**2)
+
+
+def _mlp_loss(p: dict, x: Any) -> Any:
+    import jax.numpy as jnp
+
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - x) ** 2)
+
+
+def run(devices: Sequence[Any], steps: int = 3, seed: int = 0) -> dict[str, np.ndarray]:
+    """Both computations on ``devices`` (global, a multiple of 4); returns named numpy results."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_drain as jd
+    from jax_drain import _compat
+
+    devices = sorted_devices(devices)
+    n = len(devices)
+    if n % 4:
+        raise ValueError(f"needs a multiple of 4 devices (replica 2 x model 2), got {n}")
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+
+    # 1. Tensor parallel + hierarchical gradient sync.
+    mesh = Mesh(np.array(devices).reshape(2, n // 4, 2), ("replica", "data", "model"))
+    host = {
+        f"layer{i}": {
+            "w_in": (rng.normal(size=(D, H)) / 4).astype(jnp.bfloat16),
+            "w_out": (rng.normal(size=(H, D)) / 4).astype(jnp.bfloat16),
+            "norm": rng.uniform(0.5, 2.0, size=(D,)).astype(np.float32),
+        }
+        for i in range(LAYERS)
+    }
+    specs = {k: {"w_in": P(None, "model"), "w_out": P("model", None), "norm": P()} for k in host}
+    sync = jd.GradSync(host, mesh, bucket_size=1024, reduce="fp32_accum", outer_axis="replica", param_specs=specs)
+    params = jax.tree.map(lambda v, s: _global(mesh, s, v), host, specs)
+    batch = _global(mesh, sync.batch_spec, rng.normal(size=(2 * (n // 4) * 8, D)).astype(np.float32))
+    step = jax.jit(_compat.shard_map(sync.value_and_grad(_tp_loss), mesh=mesh,
+                                     in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), sync.shard_spec)))
+    loss, shards = step(params, batch)
+    out["sync/loss"] = fetch(loss)
+    for k, s in enumerate(shards):
+        out[f"sync/shard{k}"] = fetch(s)
+
+    # 2. DistributedOptimizer (Adam) over a hierarchical sync.
+    mesh2 = Mesh(np.array(devices).reshape(2, n // 2), ("replica", "data"))
+    host2 = {"w1": rng.normal(size=(D, H)).astype(np.float32) / 4, "b1": rng.normal(size=(H,)).astype(np.float32),
+             "w2": rng.normal(size=(H, D)).astype(np.float32) / 4}
+    sync2 = jd.GradSync(host2, mesh2, bucket_size=1024, reduce="fp32_accum", outer_axis="replica")
+    opt = jd.DistributedOptimizer(optax.adam(1e-2), sync2)
+    params2 = jax.tree.map(lambda v: _global(mesh2, P(), v), host2)
+    state = opt.init_sharded(params2)
+
+    def train_step(p: Any, s: Any, x: Any) -> Any:
+        loss, grads = sync2.value_and_grad(_mlp_loss)(p, x)
+        p, s = opt.update(grads, s)
+        return p, s, loss
+
+    train = jax.jit(_compat.shard_map(train_step, mesh=mesh2, in_specs=(P(), opt.state_specs(), sync2.batch_spec),
+                                      out_specs=(P(), opt.state_specs(), P())))
+    for i in range(steps):
+        x = _global(mesh2, sync2.batch_spec, rng.normal(size=(n * 4, D)).astype(np.float32))
+        params2, state, loss = train(params2, state, x)
+        out[f"opt/loss{i}"] = fetch(loss)
+    for name, value in params2.items():
+        out[f"opt/params/{name}"] = fetch(value)
+    for k, m in enumerate(state.master):
+        out[f"opt/master{k}"] = fetch(m)
+    return out
+
+
+# The reported loss is a pmean over devices: gloo and XLA:CPU's in-process all-reduce may add
+# the per-device losses in different orders (one float32 ulp). Gradients never go through such
+# a sum: an all-to-all plus a local sum in a fixed order, then a 2-way (exact) outer sum.
+LOSS_RTOL = 1e-6
+
+
+def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 0.0,
+            loss_rtol: float = LOSS_RTOL) -> list[str]:
+    """Differences between two result dicts (``[]`` if equal). ``rtol=0``: bit for bit, except
+    ``*loss*`` entries, to ``loss_rtol``."""
+    problems = []
+    if sorted(a) != sorted(b):
+        problems.append(f"different keys: {sorted(set(a) ^ set(b))}")
+    for key in sorted(set(a) & set(b)):
+        x, y = np.asarray(a[key], np.float64), np.asarray(b[key], np.float64)
+        if "loss" in key and rtol == 0.0:
+            if not np.allclose(x, y, rtol=loss_rtol, atol=0):
+                problems.append(f"{key}: {x} vs {y}, beyond rtol {loss_rtol}")
+            continue
+        if x.shape != y.shape:
+            problems.append(f"{key}: shape {x.shape} vs {y.shape}")
+        elif rtol == 0.0 and not np.array_equal(x, y):
+            problems.append(f"{key}: {int(np.sum(x != y))} of {x.size} elements differ (max |diff| {np.max(np.abs(x - y)):.3g})")
+        elif rtol and not np.allclose(x, y, rtol=rtol, atol=rtol * np.max(np.abs(y))):
+            problems.append(f"{key}: max |diff| {np.max(np.abs(x - y)):.3g} over rtol {rtol}")
+    return problems
+
+
+def launch_local(
+    num_processes: int,
+    devices_per_process: int,
+    out_dir: str | os.PathLike,
+    timeout: float = 240.0,
+    crash: Sequence[int] = (),
+) -> list[str]:
+    """Runs ``num_processes`` CPU workers on localhost (gloo collectives) and waits for them.
+
+    Each writes ``out_dir/process{i}.npz``. Returns their stdouts. Raises ``RuntimeError`` --
+    after killing the rest -- as soon as one exits with an error (a surviving process would
+    wait for it in a collective forever), or when ``timeout`` seconds pass; the message holds
+    the failing process's stderr tail. ``crash``: process ids told to exit at start (to test
+    exactly that).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    procs = []
+    logs = []
+    for i in range(num_processes):
+        log_out, log_err = open(out_dir / f"process{i}.out", "w+"), open(out_dir / f"process{i}.err", "w+")
+        logs.append((log_out, log_err))
+        cmd = [sys.executable, "-m", "jax_drain._multiprocess_worker", "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", str(num_processes), "--process-id", str(i), "--out", str(out_dir)]
+        if i in crash:
+            cmd.append("--crash")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log_out, stderr=log_err, cwd=root))
+
+    def tail(i: int) -> str:
+        logs[i][1].flush()
+        text = (out_dir / f"process{i}.err").read_text(errors="replace")
+        return "\n".join(text.strip().splitlines()[-15:])
+
+    def stop_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        for o, e in logs:
+            o.close()
+            e.close()
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i = failed[0]
+                raise RuntimeError(f"process {i} of {num_processes} exited with status {codes[i]}; stopped the "
+                                   f"others. Its stderr ends with:\n{tail(i)}")
+            if all(c == 0 for c in codes):
+                return [(out_dir / f"process{i}.out").read_text() for i in range(num_processes)]
+            if time.monotonic() > deadline:
+                running = [i for i, c in enumerate(codes) if c is None]
+                raise RuntimeError(f"processes {running} still running after {timeout:.0f} s; killed them. "
+                                   f"Process {running[0]}'s stderr ends with:\n{tail(running[0])}")
+            time.sleep(0.2)
+    finally:
+        stop_all()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_drain._multiprocess_worker", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="directory for process{ID}.npz")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 (omit for a single process)")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--platform", default="cpu", help="cpu (gloo collectives across processes) or gpu")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    p.add_argument("--launch", type=int, metavar="N", help="start N local CPU processes and wait for them")
+    p.add_argument("--devices-per-process", type=int, default=4, help="with --launch")
+    p.add_argument("--timeout", type=float, default=240.0, help="with --launch, seconds")
+    p.add_argument("--compare", nargs=2, metavar="NPZ", help="compare two result files and exit")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help=f"with --compare: 0 means bit for bit (losses to {LOSS_RTOL}); e.g. 1e-5 for GPU vs CPU")
+    p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.compare:
+        a, b = (dict(np.load(f)) for f in args.compare)
+        problems = compare(a, b, args.rtol)
+        print("\n".join(problems) if problems else f"identical: {len(a)} arrays")
+        return 1 if problems else 0
+    if not args.out:
+        _parser().error("--out is required")
+    if args.launch:
+        launch_local(args.launch, args.devices_per_process, args.out, args.timeout)
+        print(f"{args.launch} processes finished; results in {args.out}")
+        return 0
+    if args.crash:
+        print(f"process {args.process_id}: exiting on purpose (--crash)", file=sys.stderr)
+        return 3
+
+    import jax
+
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        if args.num_processes > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator:
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id, initialization_timeout=120)
+    start = time.perf_counter()
+    results = run(jax.devices(), steps=args.steps)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    np.savez(Path(args.out) / f"process{jax.process_index()}.npz", **results)
+    print(f"process {jax.process_index()}/{jax.process_count()}: {len(jax.devices())} devices, "
+          f"{len(results)} arrays in {time.perf_counter() - start:.1f} s")
+    if args.coordinator:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

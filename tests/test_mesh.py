@@ -1,0 +1,507 @@
+"""GradSync on real meshes: tensor parallel, hierarchical (replica x data), expert params.
+
+Values against float64 references computed from the same inputs; the schedule on XLA's GPU
+compiler (compile-only 2-host meshes); clear errors for wrong axis declarations.
+
+The value checks are plain functions of a device list so that tests/test_gpu_devices.py runs
+them unchanged on real GPUs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_drain as jd
+from jax_drain import _compat, plan
+from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
+from jax_drain.schedule import parse_schedule
+from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, Shards
+
+SDS = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# Every kind of leaf: replicated, column/row tensor parallel, a float32 norm, stacked experts.
+PARAMS = {
+    "embed": SDS((40, 16), BF16),
+    "layers": [
+        {
+            "w_in": SDS((16, 32), BF16),
+            "w_out": SDS((32, 16), BF16),
+            "norm": SDS((16,), F32),
+            "experts": SDS((4, 16, 8), BF16),
+        }
+        for _ in range(2)
+    ],
+    "head": SDS((16, 10), BF16),
+}
+TP_SPECS = {"layers": [{"w_in": P(None, "model"), "w_out": P("model", None), "norm": None,
+                        "experts": None} for _ in range(2)], "embed": None, "head": None}
+IS_EXPERT = lambda path: "/experts" in path
+
+
+def mesh_kinds(devices) -> dict[str, tuple[Mesh, dict]]:
+    """Mesh kind -> (mesh, GradSync keyword arguments) over ``devices`` (a multiple of 4 >= 4,
+    or 2: then every kind still runs, with some axes of size 1)."""
+    n = len(devices)
+    d = np.array(devices)
+    if n < 2 or (n > 2 and n % 4):
+        raise ValueError(f"mesh kinds need 2 or a multiple of 4 devices, got {n}")
+    half, q, r = n // 2, max(n // 4, 1), 2 if n >= 4 else 1  # r * q * 2 == n
+    moe_specs = {**TP_SPECS, "layers": [{**TP_SPECS["layers"][0], "w_in": None, "w_out": None,
+                                         "experts": P("expert")} for _ in range(2)]}
+    moe_tp_specs = {**TP_SPECS, "layers": [{**TP_SPECS["layers"][0], "experts": P("expert", None, "model")}
+                                           for _ in range(2)]}
+    return {
+        "dp": (Mesh(d, ("data",)), {}),
+        "tp": (Mesh(d.reshape(half, 2), ("data", "model")), dict(param_specs=TP_SPECS)),
+        "hier": (Mesh(d.reshape(2, half), ("replica", "data")), dict(outer_axis="replica")),
+        "hier_tp": (Mesh(d.reshape(r, q, 2), ("replica", "data", "model")),
+                    dict(outer_axis="replica", param_specs=TP_SPECS)),
+        "moe": (Mesh(d.reshape(half, 2), ("data", "expert")),
+                dict(axis=("data", "expert"), param_specs=moe_specs, expert=IS_EXPERT, expert_axis="data")),
+        # 8 devices: 2 x 2 x 2 x 1; the model axis only checks that a size-1 TP axis is harmless.
+        "moe_hier_tp": (Mesh(d.reshape(r, q, 2, 1), ("replica", "data", "expert", "model")),
+                        dict(axis=("data", "expert"), outer_axis="replica", param_specs=moe_tp_specs,
+                             expert=IS_EXPERT, expert_axis="data")),
+    }
+
+
+# -- float64 reference of GradSync.reduce_scatter ----------------------------------------------
+
+def random_grads(rng: np.random.Generator, sync: jd.GradSync, mesh: Mesh):
+    """Different random gradients on every device: leaves shaped ``(*mesh.shape, *local_shape)``."""
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=tuple(mesh.shape.values()) + s.shape) * rng.uniform(0.5, 3), s.dtype),
+        sync.local_shapes,
+    )
+
+
+def chains(sync: jd.GradSync):
+    """(layout, full-tree leaf indices, inner axes) per chain, dense first."""
+    out = [(sync.layout, sync.dense_leaves, sync.axes)]
+    if sync.expert_layout is not None:
+        out.append((sync.expert_layout, sync.expert_leaves, sync.expert_axes))
+    return out
+
+
+def out_spec(mesh: Mesh, sync: jd.GradSync, inner: tuple[str, ...]) -> P:
+    """Shards split over ``inner`` after every axis that is not reduced (mesh order)."""
+    others = tuple(a for a in mesh.axis_names if a not in inner + sync.outer_axes)
+    return P(others + inner)
+
+
+def run_reduce_scatter(sync: jd.GradSync, grads, mesh: Mesh) -> list[list[np.ndarray]]:
+    """Per chain, per bucket: the gathered shards reshaped to ``(*other axes, bucket size)``."""
+    lead = len(mesh.axis_names)
+
+    def step(stacked):
+        return sync.reduce_scatter(jax.tree.map(lambda g: g.reshape(g.shape[lead:]), stacked))
+
+    specs = [out_spec(mesh, sync, inner) for _, _, inner in chains(sync)]
+    out_specs = specs[0] if len(specs) == 1 else Shards(*specs)
+    out = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=P(*mesh.axis_names), out_specs=out_specs))(grads)
+    per_chain = [out] if len(specs) == 1 else list(out)
+    result = []
+    for (layout, _, inner), shards in zip(chains(sync), per_chain):
+        others = [mesh.shape[a] for a in mesh.axis_names if a not in inner + sync.outer_axes]
+        result.append([np.asarray(s).reshape(*others, size) for s, size in zip(shards, layout.bucket_sizes)])
+    return result
+
+
+def reference(sync: jd.GradSync, grads, mesh: Mesh) -> list[list[np.ndarray]]:
+    """float64: each device's flat buckets, summed over the chain's data axes, divided by the
+    number of data-parallel devices (``axis`` x ``outer_axis``) when averaging."""
+    leaves = jax.tree.leaves(grads)
+    mesh_shape = tuple(mesh.shape.values())
+    result = []
+    for layout, indices, inner in chains(sync):
+        reduced = tuple(i for i, a in enumerate(mesh.axis_names) if a in inner + sync.outer_axes)
+        buckets = []
+        for bucket in layout.buckets:
+            flat = np.zeros(mesh_shape + (bucket.padded_size,))
+            for j in bucket.leaves:
+                slot = layout.slots[j]
+                flat[..., slot.offset:slot.offset + slot.size] = np.asarray(
+                    leaves[indices[j]], np.float64).reshape(mesh_shape + (-1,))
+            total = flat.sum(axis=reduced)
+            buckets.append(total / (sync.axis_size * sync.outer_size) if sync.average else total)
+        result.append(buckets)
+    return result
+
+
+def rel_err(out, ref) -> float:
+    return max(np.max(np.abs(o - r)) / np.max(np.abs(r)) for oc, rc in zip(out, ref) for o, r in zip(oc, rc))
+
+
+def check_values(kind: str, devices, seed: int = 0) -> None:
+    """reduce_scatter of random per-device grads vs float64, for one mesh kind: fp32 modes to
+    1e-6, bf16 visibly rounded, the drain bit-identical to no drain."""
+    mesh, kwargs = mesh_kinds(devices)[kind]
+    grads = None
+    results = {}
+    for reduce, drain in (("fp32_accum", True), ("fp32_accum", False), ("fp32", True), ("bf16", True)):
+        sync = jd.GradSync(PARAMS, mesh, bucket_size=600, reduce=reduce, drain=drain, **kwargs)
+        if grads is None:
+            grads = random_grads(np.random.default_rng(seed), sync, mesh)
+            ref = reference(sync, grads, mesh)
+            assert sync.num_buckets >= 2 and all(len(c) >= 1 for c in ref)
+        results[reduce, drain] = out = run_reduce_scatter(sync, grads, mesh)
+        assert [[o.shape[-1] for o in c] for c in out] == [list(lay.bucket_sizes) for lay, _, _ in chains(sync)]
+    assert rel_err(results["fp32_accum", True], ref) <= 1e-6
+    assert rel_err(results["fp32", True], ref) <= 1e-6
+    if sync.axis_size * sync.outer_size > 1:
+        assert rel_err(results["bf16", True], ref) > 1e-4  # summed in bf16: not fp32-exact
+    for a, b in zip(results["fp32_accum", True], results["fp32_accum", False]):  # drain: schedule only
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+# "dp" (a 1-D data mesh) is tests/test_sync.py's ground; it runs here on real GPUs only.
+KINDS = ("tp", "hier", "hier_tp", "moe", "moe_hier_tp")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_scatter_matches_float64_on_mesh(kind, cpu_devices):
+    check_values(kind, cpu_devices)
+
+
+@pytest.mark.parametrize("kind, reduce, depth", [("hier_tp", "fp32_accum_streamed", 1),
+                                                 ("moe", "fp32_accum_streamed", 1), ("hier_tp", "fp32_accum", 2)])
+def test_streamed_mode_and_depth(kind, reduce, depth, cpu_devices):
+    mesh, kwargs = mesh_kinds(cpu_devices)[kind]
+    sync = jd.GradSync(PARAMS, mesh, bucket_size=600, reduce=reduce, max_in_flight=depth, **kwargs)
+    grads = random_grads(np.random.default_rng(1), sync, mesh)
+    assert rel_err(run_reduce_scatter(sync, grads, mesh), reference(sync, grads, mesh)) <= 1e-6
+
+
+# -- end to end: value_and_grad equals the gradient of the global mean loss ----------------------
+
+D, H, E = 8, 16, 4
+
+
+def tp_loss(p, x, model_axis="model"):
+    """A tensor-parallel MLP: column-parallel w_in/b_in, row-parallel w_out (psum over model)."""
+    h = jax.nn.gelu(jnp.tanh(x * p["norm"]) @ p["w_in"] + p["b_in"])
+    y = h @ p["w_out"]
+    y = jax.lax.psum(y, model_axis) if model_axis else y
+    return jnp.mean((y - x) ** 2)
+
+
+def moe_loss(p, x):
+    """Dense layer, then token block j to expert j (all-to-all over ``expert``: one expert per
+    rank), and back."""
+    h = jnp.tanh(x @ p["dense"])
+    n = _compat.axis_size("expert")
+    blocks = jax.lax.all_to_all(h.reshape(n, -1, D), "expert", 0, 0, tiled=True)
+    out = jnp.einsum("ncd,de->nce", blocks, p["experts"][0])
+    y = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True).reshape(-1, D)
+    return jnp.mean((y * p["scale"] - x) ** 2)
+
+
+def global_grads(loss, params, batch, devices_batch: int, **no_axes):
+    """float64 gradient of the mean over devices of the per-device loss, without shard_map."""
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        x64 = jnp.asarray(batch, jnp.float64).reshape(devices_batch, -1, batch.shape[-1])
+        mean = lambda p: jnp.mean(jax.vmap(lambda x: loss(p, x, **no_axes))(x64))
+        value, grads = jax.value_and_grad(mean)(p64)
+        return float(value), jax.tree.map(np.asarray, grads)
+
+
+def check_tp_end_to_end(devices) -> None:
+    """Hierarchical + tensor parallel, fp32_accum + drain: shards == d(global mean loss)."""
+    mesh, kwargs = mesh_kinds(devices)["hier_tp"]
+    rng = np.random.default_rng(7)
+    params = {"w_in": rng.normal(size=(D, H)) / 3, "b_in": rng.normal(size=(H,)),
+              "w_out": rng.normal(size=(H, D)) / 3, "norm": rng.uniform(0.5, 2, size=(D,))}
+    params = jax.tree.map(lambda a: jnp.asarray(a, F32), params)
+    specs = {"w_in": P(None, "model"), "b_in": P("model"), "w_out": P("model", None), "norm": None}
+    sync = jd.GradSync(params, mesh, bucket_size=64, reduce="fp32_accum", outer_axis=kwargs["outer_axis"],
+                       param_specs=specs)
+    n_dp = sync.axis_size * sync.outer_size
+    batch = jnp.asarray(rng.normal(size=(n_dp * 4, D)), F32)
+    step = jax.jit(_compat.shard_map(sync.value_and_grad(tp_loss), mesh=mesh,
+                                     in_specs=(sync.param_specs, sync.batch_spec),
+                                     out_specs=(P(), sync.shard_spec)))
+    assert sync.shard_spec == P(("model", "data"))
+    loss, shards = step(params, batch)
+    ref_loss, ref = global_grads(tp_loss, params, batch, n_dp, model_axis=None)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    m = mesh.shape["model"]
+    for rank in range(m):  # each model rank's buckets hold its own blocks
+        buckets = [np.asarray(s).reshape(m, -1)[rank] for s in shards]
+        got = sync.unflatten(buckets)
+        block = lambda a, dim: np.split(a, m, axis=dim)[rank]
+        want = {"w_in": block(ref["w_in"], 1), "b_in": block(ref["b_in"], 0),
+                "w_out": block(ref["w_out"], 0), "norm": ref["norm"]}
+        for k in want:
+            np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=2e-5,
+                                       atol=2e-6 * np.max(np.abs(want[k])), err_msg=k)
+
+
+def check_moe_end_to_end(devices) -> None:
+    """Expert parallel over ``expert`` (all-to-all dispatch): expert shards carry the same mean as
+    dense ones, i.e. equal d(global mean loss) / d(expert weights)."""
+    mesh = Mesh(np.array(devices).reshape(-1, E if len(devices) >= E else len(devices)), ("data", "expert"))
+    n_exp = mesh.shape["expert"]
+    rng = np.random.default_rng(8)
+    params = {"dense": rng.normal(size=(D, D)) / 3, "experts": rng.normal(size=(n_exp, D, D)) / 3,
+              "scale": rng.uniform(0.5, 2, size=(D,))}
+    params = jax.tree.map(lambda a: jnp.asarray(a, F32), params)
+    sync = jd.GradSync(params, mesh, axis=("data", "expert"), bucket_size=64, reduce="fp32_accum",
+                       param_specs={"dense": None, "experts": P("expert"), "scale": None},
+                       expert={"dense": False, "experts": True, "scale": False}, expert_axis="data")
+    n_dp = sync.axis_size
+    batch = jnp.asarray(rng.normal(size=(n_dp * n_exp * 2, D)), F32)
+    step = jax.jit(_compat.shard_map(sync.value_and_grad(moe_loss), mesh=mesh,
+                                     in_specs=(sync.param_specs, sync.batch_spec),
+                                     out_specs=(P(), Shards(sync.shard_spec, sync.expert_shard_spec))))
+    assert (sync.shard_spec, sync.expert_shard_spec) == (P(("data", "expert")), P(("expert", "data")))
+    loss, shards = step(params, batch)
+    assert isinstance(shards, Shards) and len(shards.dense) == sync.num_buckets
+    assert len(shards.expert) == sync.num_expert_buckets >= 1
+    ref_loss, ref = _moe_reference(params, batch, n_dp, n_exp)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for rank in range(n_exp):
+        expert = [np.asarray(s).reshape(n_exp, -1)[rank] for s in shards.expert]
+        got = sync.unflatten(Shards([np.asarray(s) for s in shards.dense], expert))
+        want = {**ref, "experts": ref["experts"][rank:rank + 1]}
+        for k in want:
+            np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=2e-5,
+                                       atol=2e-6 * np.max(np.abs(want[k])), err_msg=k)
+
+
+def _moe_reference(params, batch, n_dp, n_exp):
+    """The global mean loss: device r's token block j goes to expert j (as the all-to-all does)."""
+    def loss(p, x):
+        h = jnp.tanh(x @ p["dense"])
+        y = jnp.einsum("ncd,nde->nce", h.reshape(n_exp, -1, D), p["experts"]).reshape(-1, D)
+        return jnp.mean((y * p["scale"] - x) ** 2)
+
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        x64 = jnp.asarray(batch, jnp.float64).reshape(n_dp, -1, D)
+        value, grads = jax.value_and_grad(lambda p: jnp.mean(jax.vmap(lambda x: loss(p, x))(x64)))(p64)
+        return float(value), jax.tree.map(np.asarray, grads)
+
+
+def test_tensor_parallel_hierarchical_value_and_grad(cpu_devices):
+    check_tp_end_to_end(cpu_devices)
+
+
+def test_expert_parallel_value_and_grad_same_mean_as_dense(cpu_devices):
+    check_moe_end_to_end(cpu_devices)
+
+
+# -- API details ---------------------------------------------------------------------------------
+
+def test_layouts_use_local_shapes_and_separate_chains(cpu_devices):
+    _, kwargs = mesh_kinds(cpu_devices)["moe_hier_tp"]
+    mesh = Mesh(np.array(cpu_devices).reshape(2, 1, 2, 2), ("replica", "data", "expert", "model"))
+    sync = jd.GradSync(PARAMS, mesh, bucket_size=600, **kwargs)
+    local = sync.local_shapes
+    assert local["layers"][0]["w_in"].shape == (16, 16) and local["layers"][0]["w_out"].shape == (16, 16)
+    assert local["layers"][1]["experts"].shape == (2, 16, 4)  # 4 experts / expert 2, 8 / model 2
+    assert local["embed"].shape == (40, 16)
+    expert_paths = {sync.expert_layout.slots[j].path for j in range(len(sync.expert_leaves))}
+    assert expert_paths == {"layers/0/experts", "layers/1/experts"}
+    assert {sync.layout.slots[j].path for j in range(len(sync.dense_leaves))}.isdisjoint(expert_paths)
+    assert sync.shard_sizes == tuple(s // 2 for s in sync.bucket_sizes)  # data x expert = 1 x 2
+    assert sync.expert_shard_sizes == sync.expert_bucket_sizes  # expert_axis "data" has size 1
+    assert sync.batch_spec == P(("replica", "data", "expert"))
+    assert sync.expert_shard_spec == P(("expert", "model", "data"))
+    assert "expert chain (jax_drain/expert/bucket*)" in sync.table()
+    assert "outer_axis='replica'" in repr(sync) and "num_expert_buckets=" in repr(sync)
+    tree = jax.tree.map(lambda s: jnp.asarray(np.random.default_rng(0).normal(size=s.shape), s.dtype), local)
+    flat = sync.flatten(tree)
+    assert isinstance(flat, Shards) and [b.shape[0] for b in flat.expert] == list(sync.expert_bucket_sizes)
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(sync.unflatten(flat))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Without experts nothing changes: tuples, the whole tree's layout, P("data").
+    plain = jd.GradSync(PARAMS, Mesh(np.array(cpu_devices), ("data",)), bucket_size=600)
+    assert isinstance(plain.flatten(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)), tuple)
+    assert plain.shard_spec == P("data") and plain.expert_layout is None and plain.num_expert_buckets == 0
+
+
+def test_order_applies_to_both_chains(cpu_devices):
+    mesh, kwargs = mesh_kinds(cpu_devices)["moe"]
+    n = len(jax.tree.leaves(PARAMS))
+    forward = jd.GradSync(PARAMS, mesh, bucket_size=1, order=tuple(range(n)), **kwargs)
+    backward = jd.GradSync(PARAMS, mesh, bucket_size=1, **kwargs)
+    first = lambda s, lay, idx: [lay.slots[lay.buckets[k].leaves[0]].path for k in range(lay.num_buckets)]
+    assert first(forward, forward.expert_layout, forward.expert_leaves) == ["layers/0/experts", "layers/1/experts"]
+    assert first(backward, backward.expert_layout, backward.expert_leaves) == ["layers/1/experts", "layers/0/experts"]
+    assert first(forward, forward.layout, forward.dense_leaves)[0] == "embed"
+    with pytest.raises(ValueError, match="order must be a permutation"):
+        jd.GradSync(PARAMS, mesh, order=(0, 1), **kwargs)
+
+
+def test_bad_axis_declarations(cpu_devices):
+    mesh = Mesh(np.array(cpu_devices).reshape(2, 2, 2), ("replica", "data", "model"))
+    w = {"w": SDS((8, 6), F32), "b": SDS((6,), F32)}
+    with pytest.raises(ValueError, match=r"mesh has no axis 'tensor' \(in the PartitionSpec of param 'w'\)"):
+        jd.GradSync(w, mesh, param_specs={"w": P(None, "tensor"), "b": None})
+    with pytest.raises(ValueError, match=r"param 'w' is sharded along \['data'\].*remove those axes"):
+        jd.GradSync(w, mesh, param_specs={"w": P("data"), "b": None})
+    with pytest.raises(ValueError, match=r"param 'b' is sharded along \['replica'\]"):
+        jd.GradSync(w, mesh, outer_axis="replica", param_specs={"w": None, "b": P("replica")})
+    with pytest.raises(ValueError, match="axis and outer_axis both name \\['data'\\]"):
+        jd.GradSync(w, mesh, axis=("data", "replica"), outer_axis=("data",))
+    with pytest.raises(ValueError, match="mesh has no axis 'hosts' \\(outer_axis\\)"):
+        jd.GradSync(w, mesh, outer_axis="hosts")
+    with pytest.raises(ValueError, match="param 'w' dimension 1 has size 6, which does not split over \\('model', 'replica'\\)"):
+        jd.GradSync(w, mesh, axis="data", param_specs={"w": P(None, ("model", "replica")), "b": None})
+    with pytest.raises(ValueError, match="param 'b' has shape \\(6,\\) but its PartitionSpec"):
+        jd.GradSync(w, mesh, param_specs={"w": None, "b": P(None, "model")})
+    with pytest.raises(ValueError, match="names an axis twice"):
+        jd.GradSync(w, mesh, param_specs={"w": P("model", "model"), "b": None})
+    with pytest.raises(ValueError, match="param_specs must have the params' structure"):
+        jd.GradSync(w, mesh, param_specs={"w": None})
+    with pytest.raises(TypeError, match="param_specs entry for 'b' must be a PartitionSpec"):
+        jd.GradSync(w, mesh, param_specs={"w": None, "b": "model"})
+
+    moe = Mesh(np.array(cpu_devices).reshape(2, 4), ("data", "expert"))
+    p = {"experts": SDS((4, 6), F32), "dense": SDS((6,), F32)}
+    flags = {"experts": True, "dense": False}
+    with pytest.raises(ValueError, match="expert params need expert_axis"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert=flags)
+    with pytest.raises(ValueError, match="expert_axis is given but expert is None"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert_axis="data")
+    with pytest.raises(ValueError, match=r"expert_axis \['model'\] is not among the data-parallel axes"):
+        jd.GradSync(p, Mesh(np.array(cpu_devices).reshape(2, 2, 2), ("data", "expert", "model")),
+                    axis=("data", "expert"), expert=flags, expert_axis="model")
+    with pytest.raises(ValueError, match=r"expert param 'experts' .* neither sharded along nor reduced over "
+                                         r"the data axes \['expert'\].*add them to its PartitionSpec"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert=flags, expert_axis="data")
+    with pytest.raises(ValueError, match=r"expert param 'experts' is sharded along \['data'\]"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert=flags, expert_axis="data",
+                    param_specs={"experts": P(("expert", "data")), "dense": None})
+    with pytest.raises(ValueError, match="expert selects no parameter"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert=lambda path: False, expert_axis="data")
+    with pytest.raises(TypeError, match="expert entry for 'dense' must be a Python bool"):
+        jd.GradSync(p, moe, axis=("data", "expert"), expert={"experts": True, "dense": 0}, expert_axis="data",
+                    param_specs={"experts": P("expert"), "dense": None})
+
+
+def test_grads_must_vary_along_every_reduced_axis(cpu_devices):
+    mesh, kwargs = mesh_kinds(cpu_devices)["hier"]
+    params = {"w": SDS((8, 16), F32)}
+    sync = jd.GradSync(params, mesh, **kwargs)
+    # A batch split over "data" only: the gradients are identical along "replica".
+    fn = lambda p, x: sync.reduce_scatter(jax.grad(lambda q: jnp.sum(x @ q["w"]))(jd.local_params(p, "data")))
+    fn = _compat.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    with pytest.raises(ValueError, match=r"do not vary along 'replica'.*batch split over P\(\('replica', 'data'\)"):
+        jax.jit(fn).lower(params, SDS((16, 8), F32))
+    outside = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    with pytest.raises(ValueError, match="inside jax.shard_map over a mesh with axis 'data'"):
+        sync.reduce_scatter(outside)
+    partial = _compat.shard_map(lambda g: sync.reduce_scatter(g), mesh=mesh, in_specs=P("data"),
+                                out_specs=P("data"), axis_names={"data"})
+    with pytest.raises(ValueError, match="with axis 'replica'"):
+        jax.jit(partial).lower({"w": SDS((32, 16), F32)})
+
+
+# -- the schedule on XLA's GPU compiler: two hosts, compile-only ---------------------------------
+
+needs_gpu_compile = pytest.mark.skipif(
+    not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"
+)
+# XLA:GPU keeps one async collective in flight unless allowed more; allow more so that only the
+# chains bound what is in flight.
+OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
+GPU_LAYERS, GD = 4, 256
+
+
+def hsdp_tp_step(mesh: Mesh, expert: bool = False, drain: bool = True):
+    """(jitted step, abstract args, sync) on ``("replica", "data", ["expert",] "model")``: the
+    step ``jax_drain.plan.plan`` takes (one local ``w_in`` block per bucket)."""
+    return plan.build_mesh_step(mesh, layers=GPU_LAYERS, d_model=GD, drain=drain, expert=expert,
+                                bucket_size=4 * GD * GD // 2)
+
+
+CHAIN = {SCOPE_PREFIX: "dense", EXPERT_SCOPE: "expert"}
+
+
+def chain_spans(sched, scope: str) -> dict[int, tuple[int, int]]:
+    """Bucket k of the chain -> (first start, last done) of its collectives in ENTRY, including
+    combined collectives that carry it (see ``Schedule.feeding_op_names``)."""
+    return plan.bucket_spans(sched).get(CHAIN[scope], {})
+
+
+def chain_collectives(sched, scope: str, layout, shard_sizes, inner_group: int):
+    """Per bucket: (found, expected) descriptions ``(kind, dtype, bytes, devices per group)``.
+    Expected: an all-to-all of the whole bucket in its own dtype over the inner group, then a
+    float32 all-reduce of the shard over the 2 hosts. A collective XLA combined across buckets
+    (no op name, see ``Schedule.feeding_op_names``) shows ``"combined"`` for its bytes."""
+    hlo_dtype = {"bfloat16": "bf16", "float32": "f32"}
+    out = []
+    for k, (bucket, shard) in enumerate(zip(layout.buckets, shard_sizes)):
+        mine = [c for c in sched.collectives if c.computation == sched.entry
+                and (CHAIN[scope], k) in plan.collective_buckets(sched, c)]
+        found = [(c.kind, c.dtype, c.bytes if c.op_names else "combined", c.group_size) for c in mine]
+        expected = [("all-to-all", hlo_dtype[str(bucket.dtype)], bucket.padded_size * bucket.dtype.itemsize, inner_group),
+                    ("all-reduce", "f32", shard * 4, 2)]
+        out.append((found, expected))
+    return out
+
+
+def buckets_in_flight(spans: dict[int, tuple[int, int]]) -> int:
+    return plan.max_overlap(list(spans.values()))
+
+
+_compiled = {}
+
+
+def compiled_schedule(expert: bool, drain: bool = True):
+    if (expert, drain) not in _compiled:
+        shape, names = ((2, 2, 2, 2), ("replica", "data", "expert", "model")) if expert else \
+            ((2, 4, 2), ("replica", "data", "model"))
+        mesh = gpu_mesh(shape, names, target="h100", topology="1x2x8")
+        step, args, sync = hsdp_tp_step(mesh, expert, drain)
+        compiled = step.lower(*args).compile(compiler_options=OVERLAP_4)
+        _compiled[expert, drain] = sync, parse_schedule(compiled.as_text())
+    return _compiled[expert, drain]
+
+
+@needs_gpu_compile
+def test_gpu_schedule_hierarchical_tp_one_bucket_in_flight():
+    sync, sched = compiled_schedule(expert=False)
+    spans = chain_spans(sched, SCOPE_PREFIX)
+    assert sorted(spans) == list(range(sync.num_buckets)) and sync.num_buckets >= 4
+    assert buckets_in_flight(spans) == 1
+    # Inner: an all-to-all of the whole bucket in its dtype (bf16 wire for bf16 params) within a
+    # host (the 4 GPUs of "data"); outer: a float32 all-reduce of the shard across the 2 hosts.
+    for found, expected in chain_collectives(sched, SCOPE_PREFIX, sync.layout, sync.shard_sizes, 4):
+        assert found == expected
+    assert sched.max_in_flight(lambda c: c.in_scope(SCOPE_PREFIX)) == 1  # single collectives too
+    assert {c.dtype for c in sched.collectives if c.kind == "all-to-all" and c.in_scope(SCOPE_PREFIX)} == {"bf16", "f32"}
+    _, free = compiled_schedule(expert=False, drain=False)
+    assert buckets_in_flight(chain_spans(free, SCOPE_PREFIX)) > 1
+
+
+@needs_gpu_compile
+def test_gpu_schedule_dense_and_expert_chains_each_one_bucket_in_flight():
+    sync, sched = compiled_schedule(expert=True)
+    dense, expert = chain_spans(sched, SCOPE_PREFIX), chain_spans(sched, EXPERT_SCOPE)
+    assert sorted(dense) == list(range(sync.num_buckets)) and sync.num_buckets >= 2
+    assert sorted(expert) == list(range(sync.num_expert_buckets)) and sync.num_expert_buckets >= 2
+    assert buckets_in_flight(dense) == 1 and buckets_in_flight(expert) == 1
+    # Experts: all-to-all over "data" (2 GPUs); dense: over "data" x "expert" (4 GPUs). XLA's
+    # all-reduce combiner may merge one pair of outer all-reduces across the two chains (they
+    # are independent and both over "replica"); each chain still has one bucket in flight.
+    combined = []
+    for scope, layout, shards, group in ((EXPERT_SCOPE, sync.expert_layout, sync.expert_shard_sizes, 2),
+                                         (SCOPE_PREFIX, sync.layout, sync.shard_sizes, 4)):
+        for k, (found, expected) in enumerate(chain_collectives(sched, scope, layout, shards, group)):
+            if len(found) == 2 and found[1][2] == "combined":
+                combined.append((scope, k))
+                expected[1] = ("all-reduce", "f32", "combined", 2)
+            assert found == expected
+    assert len(combined) in (0, 2), combined
+    _, free = compiled_schedule(expert=True, drain=False)
+    assert buckets_in_flight(chain_spans(free, SCOPE_PREFIX)) > 1
+    assert buckets_in_flight(chain_spans(free, EXPERT_SCOPE)) > 1
