@@ -1,0 +1,61 @@
+"""The examples run (a handful of steps, in-process on the 8 test devices) and write their outputs."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+# A small model so each run compiles in seconds; everything else at the script's defaults.
+SMALL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "16",
+         "--bucket-size", "4000", "--sample", "0", "--log-every", "2"]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (linen modules) look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_gpt():
+    return _load("train_gpt")
+
+
+@pytest.fixture(scope="module")
+def drained(train_gpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt") / "drained"
+    return out, train_gpt.main(["--steps", "4", "--out", str(out), *SMALL])
+
+
+def test_train_gpt_writes_losses_and_plot(drained, capsys):
+    out, losses = drained
+    assert json.loads((out / "losses.json").read_text()) == losses
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_gpt_undrained_is_identical_and_overlays(train_gpt, drained, tmp_path):
+    out, losses = drained
+    undrained = train_gpt.main(["--steps", "4", "--no-drain", "--out", str(tmp_path), "--compare", str(out), *SMALL])
+    assert undrained == losses
+    assert (tmp_path / "loss.png").exists()
+
+
+def test_train_gpt_resume(train_gpt, drained, tmp_path):
+    _, uninterrupted = drained
+    first = train_gpt.main(["--steps", "2", "--checkpoint-every", "2", "--out", str(tmp_path), *SMALL])
+    assert first == uninterrupted[:2]
+    resumed = train_gpt.main(["--steps", "4", "--resume", "--out", str(tmp_path), *SMALL])
+    assert resumed == uninterrupted  # the restored run continues bit for bit
+    assert json.loads((tmp_path / "losses.json").read_text()) == uninterrupted
+
+
+def test_train_linen():
+    losses = _load("train_linen").main(["--steps", "20"])
+    assert len(losses) == 20 and losses[-1] < 0.5 * losses[0]
