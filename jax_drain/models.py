@@ -126,6 +126,8 @@ _TINY = GPTConfig(num_layers=2, d_model=256, num_heads=4, seq_len=64)
 PRESETS: dict[str, GPTConfig] = {
     "gpt-blocks": GPTConfig(),
     "gpt-tied": GPTConfig(vocab_size=32768),
+    # gpt-blocks with its blocks stacked and run by nnx.scan (jax_drain.ScanGradSync's model).
+    "gpt-blocks-scan": GPTConfig(scan_layers=True),
     "tiny": _TINY,
     "tiny-tied": dataclasses.replace(_TINY, vocab_size=512),
 }

@@ -1,0 +1,806 @@
+"""Scan-over-layers models: reduce-scatter each layer's gradient inside the backward scan.
+
+Large models run their blocks under ``jax.lax.scan`` (Flax ``nnx.scan``/``nn.scan``, MaxText's
+``scan_layers``) so compile time stays flat in depth. Every block parameter then lives in one
+*stacked* leaf ``[num_layers, ...]``, whose gradient is complete only when the backward scan
+ends: bucketing whole leaves (:class:`~jax_drain.GradSync`) materialises the stacked gradient of
+all layers before the first collective runs. :class:`ScanGradSync` instead reduce-scatters each
+layer's gradient *inside* the backward loop, one layer at a time:
+
+* one layer's slice of the stacked leaves is laid out in buckets (a per-layer
+  :class:`~jax_drain.BucketLayout`); the other leaves (embeddings, final norm) get an ordinary
+  :class:`~jax_drain.GradSync`;
+* ``value_and_grad`` traces the loss, finds the ``scan`` whose scanned inputs (``xs``) are the
+  stacked leaves -- through ``jit`` calls, whichever library built it -- and replays the loss with
+  that scan's body wrapped: the layer's parameters pass through a ``jax.custom_vjp`` identity
+  whose backward rule reduce-scatters the layer's local gradient (drained bucket chain, chosen
+  reduce mode) and returns the float32 shards as the cotangent of a shard-shaped zero input
+  scanned along with the parameters. The scan's transpose stacks those cotangents into
+  ``[num_layers, shard]``: the stacked gradient itself is never formed. The model needs no change.
+
+Output layout (:class:`ScanShards`, inside ``shard_map``): ``layers[k]`` is float32
+``[num_layers, layer_shard_sizes[k]]``, row ``l`` this device's slice of layer ``l``'s bucket
+``k``, and ``rest[j]`` the 1-D shard of the non-stacked bucket ``j``; device ``r`` holds elements
+``[r * s, (r + 1) * s)`` of every bucket, as with :class:`~jax_drain.GradSync`. With
+``out_specs=sync.shard_specs()`` the global arrays are the whole reduced buckets (``layers[k]``:
+``[num_layers, layer_bucket_sizes[k]]``), and :meth:`ScanGradSync.unflatten` turns them back
+into a gradient tree.
+
+Example (the ``nnx.scan`` GPT of :mod:`jax_drain.models`)::
+
+    import jax, jax_drain as jd
+    from jax.sharding import PartitionSpec as P
+    from jax_drain import models
+
+    config = models.GPTConfig(num_layers=8, scan_layers=True)
+    params, loss_fn = models.init_params(config, jax.random.key(0)), models.make_loss(config)
+    sync = jd.ScanGradSync(params, mesh, axis="data", stacked=lambda path: path.startswith("blocks/"),
+                           bucket_size=20_000_000, reduce="fp32_accum")
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), sync.shard_specs()))
+    def step(params, batch):
+        return sync.value_and_grad(loss_fn)(params, batch)
+
+    loss, shards = step(params, batch)
+    grads = sync.unflatten(shards)      # the mean gradient, shaped like params
+
+Micro-batches: ``value_and_grad(loss_fn, microbatches=k)`` reduce-scatters every micro-batch's
+gradient inside its own backward scan and accumulates the float32 *shards*. Accumulating the
+local gradient instead (communicating once, as GradSync does) is not possible without the very
+buffer this module avoids: layer ``l``'s gradients of the ``k`` micro-batches come from ``k``
+different backward loops, so a local sum needs a full-size accumulator for every layer -- the
+stacked ``[num_layers, ...]`` gradient. The price is ``k`` reduce-scatters instead of one, and
+one float32 accumulator of the shards (``1 / axis_size`` of the parameters, in float32) next to
+the current micro-batch's shards.
+
+Limits (each refused with an error naming the leaf): one scan over one
+stack per loss (not an encoder and a decoder stack); the stacked leaves must enter that scan
+unchanged, as its scanned inputs -- not through a cast (cast inside the body instead), a slice,
+or a ``jax.checkpoint`` around the whole scan (put remat inside the body, as ``nnx.remat`` on the
+block does); a stacked leaf used outside the scan is refused, because its gradient there would
+be lost. The scan may sit inside ``jit``-ed functions. The rewrite reads the traced loss, so any
+wrapper that hands the stacked leaves to ``jax.lax.scan`` as ``xs`` is seen the same way (tested:
+``nnx.scan`` and plain ``jax.lax.scan``).
+
+Optimizer: :meth:`ScanGradSync.init_master` and :meth:`ScanGradSync.gather_params` give a
+ZeRO-1 step with any element-wise optax transform applied to the :class:`ScanShards` directly
+(:class:`~jax_drain.DistributedOptimizer` takes a flat :class:`~jax_drain.GradSync` layout only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_drain import _compat
+from jax_drain.collectives import all_gather_bucket, check_mode, reduce_scatter_bucket
+from jax_drain.drain import check_max_in_flight, sequenced_map
+from jax_drain.layout import BucketLayout, leaf_paths
+from jax_drain.sync import SCOPE_PREFIX, GradSync
+
+__all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
+
+PyTree = Any
+Stacked = PyTree | Callable[[str], bool]
+
+#: ``jax.named_scope`` of the per-layer buckets' collectives: ``jax_drain/layers/bucket<k>``
+#: (the non-stacked buckets keep GradSync's ``jax_drain/bucket<j>``).
+LAYER_SCOPE = f"{SCOPE_PREFIX}/layers"
+
+# Call primitives whose body runs once, in line: a scan inside one is found by inlining it.
+_INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# jax.checkpoint / remat's primitive, by the names jax versions have given it.
+_REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
+
+class ScanShards(NamedTuple):
+    """Reduce-scattered gradients of a :class:`ScanGradSync`; a pytree.
+
+    ``layers[k]``: float32 ``[num_layers, layer_shard_sizes[k]]`` inside ``shard_map``, row
+    ``l`` this device's slice of layer ``l``'s bucket ``k`` (whole buckets outside, with
+    ``shard_specs()``). ``rest[j]``: float32 ``[rest_shard_sizes[j]]``, the non-stacked leaves'
+    bucket ``j`` (dispatch order, as :class:`~jax_drain.GradSync` returns them).
+    """
+
+    layers: tuple[jax.Array, ...]
+    rest: tuple[jax.Array, ...]
+
+
+class ScanGradSync:
+    """Reduce-scatters a scanned model's gradients layer by layer inside the backward scan.
+
+    Args:
+        params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``), replicated over
+            ``mesh``; only shapes and dtypes are read.
+        mesh: the device mesh the step runs on under ``jax.shard_map``.
+        axis: the data-parallel mesh axis to reduce over.
+        stacked: which leaves are stacked over layers: a predicate on ``"a/b/kernel"`` leaf paths
+            (``lambda path: path.startswith("blocks/")``), or a pytree of bools with the
+            structure of ``params`` or a prefix of it (``{"blocks": True, "ln_f": False}``).
+            :func:`stacked_leaves` finds them from the loss.
+        num_layers: the scan length; ``None`` takes the stacked leaves' leading dimension. Every
+            stacked leaf must have it as its leading dimension.
+        bucket_size: a bucket closes once it holds at least this many elements; it applies to
+            one layer's slice of the stacked leaves and, separately, to the other leaves.
+        reduce, drain, average, max_in_flight: as for :class:`~jax_drain.GradSync`. The drain
+            chains one layer's buckets inside the loop body (each iteration's collectives finish
+            in that iteration) and the non-stacked buckets after backward.
+        order: leaf indices of ``params`` in gradient-ready order
+            (:func:`jax_drain.grad_ready_order`); it is filtered to the stacked leaves (their
+            order within a layer) and to the others. ``None``: reverse leaf order.
+
+    Example::
+
+        # models.GPTConfig(num_layers=8, scan_layers=True): d=2048, 50M parameters per block
+        sync = ScanGradSync(params, mesh, stacked={"blocks": True, "ln_f": False}, bucket_size=20_000_000)
+        sync.num_layers, sync.layer_bucket_sizes    # (8, (33554432, 16785408)): MLP | attention
+    """
+
+    def __init__(
+        self,
+        params: PyTree,
+        mesh: Mesh,
+        axis: str = "data",
+        *,
+        stacked: Stacked,
+        num_layers: int | None = None,
+        bucket_size: int | None = 40_000_000,
+        reduce: str = "fp32_accum",
+        drain: bool = True,
+        average: bool = True,
+        order: Sequence[int] | None = None,
+        max_in_flight: int | None = None,
+    ):
+        if axis not in mesh.axis_names:
+            raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)}")
+        self.mesh = mesh
+        self.axis = axis
+        self.axis_size = int(mesh.shape[axis])
+        self.reduce = check_mode(reduce)
+        self.average = bool(average)
+        self.drain = bool(drain)
+        max_in_flight = check_max_in_flight(max_in_flight)
+        if max_in_flight is not None and not drain:
+            raise ValueError("max_in_flight bounds the drain chain; it needs drain=True")
+        self.max_in_flight = (1 if max_in_flight is None else max_in_flight) if drain else None
+
+        leaves, self._treedef = jax.tree.flatten(params)
+        self._paths = leaf_paths(params)
+        self._shapes = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        mask = _stacked_mask(params, stacked, self._paths)
+        self._stacked = tuple(i for i, m in enumerate(mask) if m)
+        self._rest = tuple(i for i, m in enumerate(mask) if not m)
+        if not self._stacked:
+            raise ValueError(
+                "no leaf is marked as stacked over layers; pass stacked= (a predicate on leaf "
+                "paths such as lambda path: path.startswith('blocks/'), or a pytree of bools), "
+                "or use jax_drain.GradSync for a model without a scanned layer stack"
+            )
+        self.num_layers = _check_num_layers(
+            [(self._paths[i], self._shapes[i][0]) for i in self._stacked], num_layers
+        )
+
+        if order is not None:
+            order = tuple(int(i) for i in order)
+            if sorted(order) != list(range(len(leaves))):
+                raise ValueError(
+                    f"order must be a permutation of the {len(leaves)} leaf indices of params, "
+                    f"e.g. from jax_drain.grad_ready_order(...); got {list(order)[:16]}"
+                )
+        shard_multiple = math.lcm(self.axis_size, 128)
+
+        def part(keep: Sequence[int], shape_of: Callable[[int], tuple[int, ...]]) -> PyTree:
+            # Leaves outside `keep` become None: they vanish from the subtree's leaves, so its
+            # layout keeps readable paths.
+            kept = set(keep)
+            return jax.tree.unflatten(self._treedef, [
+                jax.ShapeDtypeStruct(shape_of(i), self._shapes[i][1]) if i in kept else None
+                for i in range(len(leaves))
+            ])
+
+        def sub_order(keep: Sequence[int]) -> tuple[int, ...] | None:
+            position = {leaf: k for k, leaf in enumerate(keep)}
+            return None if order is None else tuple(position[i] for i in order if i in position)
+
+        #: Layout of one layer's slice of the stacked leaves (leaf paths as in ``params``).
+        self.layer_layout = BucketLayout.build(
+            part(self._stacked, lambda i: self._shapes[i][0][1:]),
+            bucket_size, shard_multiple=shard_multiple, order=sub_order(self._stacked),
+        )
+        #: The non-stacked leaves' :class:`~jax_drain.GradSync` (``None`` if every leaf is stacked).
+        self.rest_sync = None
+        if self._rest:
+            self.rest_sync = GradSync(
+                part(self._rest, lambda i: self._shapes[i][0]), mesh, axis, bucket_size=bucket_size,
+                reduce=reduce, drain=drain, average=average, order=sub_order(self._rest),
+                max_in_flight=max_in_flight,
+            )
+        self._hook = _make_hook(self._reduce_layer)
+
+    # -- layout ---------------------------------------------------------------------------
+    @property
+    def stacked_paths(self) -> tuple[str, ...]:
+        """Paths of the leaves stacked over layers, in ``jax.tree.leaves`` order."""
+        return tuple(self._paths[i] for i in self._stacked)
+
+    @property
+    def layer_bucket_sizes(self) -> tuple[int, ...]:
+        """Padded element count of each bucket of one layer, dispatch order."""
+        return self.layer_layout.bucket_sizes
+
+    @property
+    def layer_shard_sizes(self) -> tuple[int, ...]:
+        """Elements of each layer bucket one device holds, per layer."""
+        return tuple(size // self.axis_size for size in self.layer_bucket_sizes)
+
+    @property
+    def rest_bucket_sizes(self) -> tuple[int, ...]:
+        """Padded element count of each non-stacked bucket, dispatch order."""
+        return () if self.rest_sync is None else self.rest_sync.bucket_sizes
+
+    @property
+    def rest_shard_sizes(self) -> tuple[int, ...]:
+        return () if self.rest_sync is None else self.rest_sync.shard_sizes
+
+    def shard_specs(self) -> ScanShards:
+        """``PartitionSpec``s of :class:`ScanShards` for ``shard_map``'s ``out_specs``.
+
+        Globally ``layers[k]`` is then ``[num_layers, layer_bucket_sizes[k]]`` split along its
+        second axis, and ``rest[j]`` the whole bucket ``j``.
+        """
+        return ScanShards(
+            layers=tuple(P(None, self.axis) for _ in self.layer_bucket_sizes),
+            rest=tuple(P(self.axis) for _ in self.rest_bucket_sizes),
+        )
+
+    def flatten(self, tree: PyTree, dtype: Any = None) -> ScanShards:
+        """Packs a params-shaped tree into whole buckets: the global layout of the shards.
+
+        ``layers[k]`` is ``[num_layers, layer_bucket_sizes[k]]``, ``rest[j]`` is 1-D; ``dtype``
+        casts every bucket (e.g. ``jnp.float32`` for master weights), ``None`` keeps leaf dtypes.
+        """
+        stacked, rest = self._split(self._check_tree(tree, "tree", check_dtypes=dtype is None))
+        layer_tree = self.layer_layout.treedef.unflatten(stacked)
+        layers = jax.vmap(lambda layer: self.layer_layout.flatten(layer, dtype))(layer_tree)
+        rest_buckets = () if self.rest_sync is None else self.rest_sync.flatten(
+            self.rest_sync.layout.treedef.unflatten(rest), dtype)
+        return ScanShards(tuple(layers), tuple(rest_buckets))
+
+    def unflatten(self, buckets: ScanShards) -> PyTree:
+        """Inverse of :meth:`flatten`: e.g. the gradient tree from ``step``'s global shards."""
+        layers, rest = tuple(buckets.layers), tuple(buckets.rest)
+        if len(layers) != len(self.layer_bucket_sizes) or len(rest) != len(self.rest_bucket_sizes):
+            raise ValueError(
+                f"expected {len(self.layer_bucket_sizes)} layer buckets and "
+                f"{len(self.rest_bucket_sizes)} other buckets, got {len(layers)} and {len(rest)}"
+            )
+        for k, (b, size) in enumerate(zip(layers, self.layer_bucket_sizes)):
+            if tuple(b.shape) != (self.num_layers, size):
+                raise ValueError(
+                    f"layer bucket {k} has shape {tuple(b.shape)}, expected ({self.num_layers}, "
+                    f"{size}); pass the global shards (out_specs=sync.shard_specs()), not one device's"
+                )
+        stacked = jax.tree.leaves(jax.vmap(self.layer_layout.unflatten)(layers))
+        rest_leaves = [] if self.rest_sync is None else jax.tree.leaves(self.rest_sync.unflatten(rest))
+        return self._merge(stacked, rest_leaves)
+
+    def table(self) -> str:
+        """One layer's bucket layout and the other leaves' layout, as readable tables."""
+        text = f"per layer (x{self.num_layers}, leading axis stripped):\n{self.layer_layout.table()}"
+        if self.rest_sync is not None:
+            text += f"\nother leaves:\n{self.rest_sync.table()}"
+        return text
+
+    def __repr__(self) -> str:
+        return (
+            f"ScanGradSync(axis={self.axis!r}, axis_size={self.axis_size}, reduce={self.reduce!r}, "
+            f"drain={self.drain}, max_in_flight={self.max_in_flight}, num_layers={self.num_layers}, "
+            f"layer_buckets={len(self.layer_bucket_sizes)}, rest_buckets={len(self.rest_bucket_sizes)})"
+        )
+
+    # -- inside shard_map -----------------------------------------------------------------
+    def value_and_grad(
+        self, loss_fn: Callable[..., Any], has_aux: bool = False, microbatches: int = 1
+    ) -> Callable[..., Any]:
+        """Like ``jax.value_and_grad``, returning :class:`ScanShards`; each layer is
+        reduce-scattered inside the backward scan.
+
+        Call the result inside ``jax.shard_map`` with the replicated ``params`` first:
+        ``loss, shards = sync.value_and_grad(loss_fn)(params, batch)``. Gradients are taken
+        w.r.t. a per-device view of ``params`` (no hidden all-reduce). ``loss`` is the mean
+        (``average=True``) or sum over ``axis`` of the per-device losses.
+
+        ``microbatches=k`` splits every array argument after ``params`` along its leading axis
+        into ``k`` micro-batches, run one after another; the float32 shards are accumulated and
+        divided by ``k`` (the loss is the mean over micro-batches), and with ``has_aux`` the aux
+        outputs come back stacked ``[k, ...]``.
+        """
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+
+        def wrapped(params: PyTree, *args: Any, **kwargs: Any):
+            self._check_inside_shard_map("value_and_grad")
+            leaves = self._check_tree(params, "params")
+            local = [_compat.mark_varying(x, (self.axis,)) for x in leaves]
+            if microbatches == 1:
+                (loss, aux), shards = self._value_and_grad_once(loss_fn, has_aux, local, args, kwargs)
+            else:
+                (loss, aux), shards = self._accumulate(loss_fn, has_aux, local, args, kwargs, microbatches)
+            loss = jax.lax.pmean(loss, self.axis) if self.average else jax.lax.psum(loss, self.axis)
+            return ((loss, aux) if has_aux else loss), shards
+
+        return wrapped
+
+    def reduce_scatter(self, grads: PyTree) -> ScanShards:
+        """Reduce-scatters a complete local gradient tree *after* backward; same output as
+        :meth:`value_and_grad`.
+
+        The reference and fallback: the stacked gradients already exist, so this saves no
+        memory. Layer buckets are sent last layer first (backward order), all ``num_layers x
+        buckets`` collectives in one drain chain, then the non-stacked buckets.
+        """
+        self._check_inside_shard_map("reduce_scatter")
+        stacked, rest = self._split(self._check_tree(grads, "grads"))
+        self._check_varying(stacked + rest)
+        per_layer = [
+            self.layer_layout.flatten(self.layer_layout.treedef.unflatten([g[l] for g in stacked]))
+            for l in reversed(range(self.num_layers))
+        ]
+        num_buckets = len(self.layer_bucket_sizes)
+        flat = [bucket for layer in per_layer for bucket in layer]
+        reduced = self._reduce_buckets(flat, lambda i: i % num_buckets)
+        layers = tuple(
+            jnp.stack([reduced[(self.num_layers - 1 - l) * num_buckets + k] for l in range(self.num_layers)])
+            for k in range(num_buckets)
+        )
+        return ScanShards(layers, self._reduce_rest(rest, layers))
+
+    def init_master(self, params: PyTree) -> ScanShards:
+        """This device's float32 slices of the replicated ``params``: optimizer master shards.
+
+        Laid out like the gradient shards, so an element-wise optax transform can update them
+        directly (ZeRO-1). Call inside ``jax.shard_map``; leave it with ``out_specs=shard_specs()``.
+
+        Example (inside ``shard_map``; ``tx = optax.adam(1e-3)``)::
+
+            master = sync.init_master(params)
+            opt_state = tx.init(master)                  # same shard layout
+            loss, grads = sync.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, master)
+            master = optax.apply_updates(master, updates)
+            params = sync.gather_params(master)
+        """
+        self._check_inside_shard_map("init_master")
+        buckets = self.flatten(params, jnp.float32)
+        rank = jax.lax.axis_index(self.axis)
+        take = lambda b, n: jax.lax.dynamic_slice_in_dim(b, rank * n, n, axis=b.ndim - 1)
+        return ScanShards(
+            tuple(take(b, n) for b, n in zip(buckets.layers, self.layer_shard_sizes)),
+            tuple(take(b, n) for b, n in zip(buckets.rest, self.rest_shard_sizes)),
+        )
+
+    def gather_params(self, master: ScanShards) -> PyTree:
+        """The replicated parameter tree (in the parameters' dtypes) from float32 master shards.
+
+        Each shard is cast to its bucket's dtype before the all-gather (narrow wire), layer
+        buckets gathered for all layers at once; the gathers form one chain of depth
+        ``max_in_flight`` (1 when undrained). Call inside ``jax.shard_map``.
+        """
+        self._check_inside_shard_map("gather_params")
+        n, num_layers = self.axis_size, self.num_layers
+        layer_dtypes = [b.dtype for b in self.layer_layout.buckets]
+        rest_dtypes = [] if self.rest_sync is None else [b.dtype for b in self.rest_sync.layout.buckets]
+        shards = [*master.layers, *master.rest]
+        want = [(num_layers, s) for s in self.layer_shard_sizes] + [(s,) for s in self.rest_shard_sizes]
+        if [tuple(s.shape) for s in shards] != want:
+            raise ValueError(f"master shards have shapes {[tuple(s.shape) for s in shards]}, expected {want}")
+
+        def gather(i: int, shard: jax.Array) -> jax.Array:
+            if i >= len(layer_dtypes):
+                return all_gather_bucket(shard, self.axis, dtype=rest_dtypes[i - len(layer_dtypes)])
+            # [L, s] -> 1-D gather of every layer's slice -> [n, L, s] -> [L, n * s].
+            whole = all_gather_bucket(shard.reshape(-1), self.axis, dtype=layer_dtypes[i])
+            return whole.reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
+
+        gathered = sequenced_map(gather, shards, self.max_in_flight or 1)
+        split = len(layer_dtypes)
+        return self.unflatten(ScanShards(tuple(gathered[:split]), tuple(gathered[split:])))
+
+    # -- internals --------------------------------------------------------------------------
+    def _value_and_grad_once(self, loss_fn, has_aux, local, args, kwargs):
+        """This device's ``(loss, aux)`` and the shards, the layer scan rewritten (module doc)."""
+        flat_args, args_tree = jax.tree.flatten((args, kwargs))
+        num_params = len(local)
+
+        def flat_loss(*flat):
+            params = jax.tree.unflatten(self._treedef, flat[:num_params])
+            a, kw = jax.tree.unflatten(args_tree, flat[num_params:])
+            return loss_fn(params, *a, **kw)
+
+        closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*local, *flat_args)
+        out_tree = jax.tree.structure(out_shape)
+        stacked_values = [local[i] for i in self._stacked]
+        tracked = {closed.jaxpr.invars[i]: j for j, i in enumerate(self._stacked)}
+        dummies = tuple(
+            _compat.mark_varying(jnp.zeros((self.num_layers, s), jnp.float32), (self.axis,))
+            for s in self.layer_shard_sizes
+        )
+        rewriters = []
+
+        def differentiable(rest_leaves, dummies):
+            inputs = self._merge_leaves(stacked_values, rest_leaves)
+            rewriter = _ScanRewriter(self, stacked_values, dummies)
+            rewriters.append(rewriter)
+            outs = rewriter.eval(closed.jaxpr, closed.consts, [*inputs, *flat_args], tracked)
+            out = jax.tree.unflatten(out_tree, outs)
+            loss, aux = out if has_aux else (out, None)
+            return loss, aux
+
+        rest_local = [local[i] for i in self._rest]
+        (loss, aux), (rest_grads, layer_shards) = jax.value_and_grad(
+            differentiable, argnums=(0, 1), has_aux=True
+        )(rest_local, dummies)
+        if not any(r.found for r in rewriters):
+            raise ValueError(
+                f"loss_fn has no jax.lax.scan over the stacked leaves {list(self.stacked_paths)[:4]}"
+                f"{'...' if len(self._stacked) > 4 else ''}: nothing to reduce inside a loop. Mark "
+                "the leaves the layer scan takes as its scanned inputs (see jax_drain.scan."
+                "stacked_leaves), or use jax_drain.GradSync for an unrolled model"
+            )
+        return (loss, aux), ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards))
+
+    def _accumulate(self, loss_fn, has_aux, local, args, kwargs, k):
+        """``k`` micro-batches in a loop, each reduce-scattered in its own backward scan; the
+        float32 shards (and the local loss) are summed in the loop carry."""
+        args, kwargs = jax.tree.map(lambda x: _split_microbatches(x, k), (args, kwargs))
+        zeros = (
+            jnp.zeros((), jnp.float32),
+            ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
+                       tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes)),
+        )
+        # The carry has the loop outputs' type: varying along the data axis.
+        init = jax.tree.map(lambda z: _compat.mark_varying(z, (self.axis,)), zeros)
+
+        def one(carry, micro):
+            total, acc = carry
+            a, kw = micro
+            (loss, aux), shards = self._value_and_grad_once(loss_fn, has_aux, local, a, kw)
+            acc = jax.tree.map(jnp.add, acc, shards)
+            return (total + loss.astype(jnp.float32), acc), aux
+
+        (total, acc), aux = jax.lax.scan(one, init, (args, kwargs))
+        return (total / k, aux), jax.tree.map(lambda s: s / k, acc)
+
+    def _reduce_layer(self, layer_grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards."""
+        self._check_varying(list(layer_grads))
+        buckets = self.layer_layout.flatten(self.layer_layout.treedef.unflatten(list(layer_grads)))
+        return self._reduce_buckets(buckets, lambda k: k)
+
+    def _reduce_buckets(self, buckets: Sequence[jax.Array], bucket_id: Callable[[int], int]) -> tuple[jax.Array, ...]:
+        def reduce_one(i: int, bucket: jax.Array) -> jax.Array:
+            with jax.named_scope(f"{LAYER_SCOPE}/bucket{bucket_id(i)}"):
+                return reduce_scatter_bucket(bucket, self.axis, mode=self.reduce, average=self.average)
+
+        return sequenced_map(reduce_one, buckets, self.max_in_flight)
+
+    def _reduce_rest(self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        if self.rest_sync is None:
+            return ()
+        rest_grads = list(rest_grads)
+        if self.drain:
+            # Start the non-stacked buckets only once the layer loop's shards exist, so no
+            # collective stays in flight across the loop (the drain's one-at-a-time bound).
+            _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
+        return self.rest_sync.reduce_scatter(self.rest_sync.layout.treedef.unflatten(rest_grads))
+
+    def _check_varying(self, grads: Sequence[jax.Array]) -> None:
+        if not _compat.vma_checked():
+            return
+        invariant = [g for g in grads if self.axis not in (_compat.varying_axes(g) or ())]
+        if invariant:
+            raise ValueError(
+                f"gradients that do not vary along {self.axis!r} reached the reduce-scatter: they "
+                "were already all-reduced (jax.grad w.r.t. replicated params inside shard_map "
+                "inserts a psum). Use sync.value_and_grad(loss_fn), or differentiate w.r.t. "
+                "jax_drain.local_params(params, axis)."
+            )
+
+    def _check_tree(self, tree: PyTree, what: str, check_dtypes: bool = True) -> list:
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self._treedef:
+            raise ValueError(
+                f"{what} structure differs from the params this ScanGradSync was built with:\n"
+                f"  expected {self._treedef}\n  got      {treedef}"
+            )
+        for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._shapes):
+            if tuple(leaf.shape) != shape:
+                raise ValueError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, expected {shape}")
+            if check_dtypes and np.dtype(leaf.dtype) != dtype:
+                raise TypeError(f"{what} leaf {path!r} has dtype {np.dtype(leaf.dtype)}, expected {dtype}")
+        return leaves
+
+    def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
+        return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]
+
+    def _merge_leaves(self, stacked: Sequence[Any], rest: Sequence[Any]) -> list:
+        out: list[Any] = [None] * (len(stacked) + len(rest))
+        for i, x in zip(self._stacked, stacked):
+            out[i] = x
+        for i, x in zip(self._rest, rest):
+            out[i] = x
+        return out
+
+    def _merge(self, stacked: Sequence[Any], rest: Sequence[Any]) -> PyTree:
+        return jax.tree.unflatten(self._treedef, self._merge_leaves(stacked, rest))
+
+    def _check_inside_shard_map(self, method: str) -> None:
+        bound = _compat.bound_axis_sizes()
+        if bound.get(self.axis) != self.axis_size:
+            raise ValueError(
+                f"ScanGradSync.{method} must be called inside jax.shard_map over a mesh with axis "
+                f"{self.axis!r} of size {self.axis_size} (bound axes here: "
+                f"{ {str(k): v for k, v in bound.items()} or 'none'})"
+            )
+
+
+def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: Any) -> PyTree:
+    """Which leaves of ``params`` a ``scan`` in ``loss_fn`` takes as scanned inputs (``xs``).
+
+    Traces ``loss_fn(params, *example_args)`` (arrays or ``jax.ShapeDtypeStruct``s; nothing
+    runs) and marks the leaves that enter a scan, directly or through ``jit`` calls, as scanned
+    inputs. Pass the result as ``ScanGradSync(stacked=...)``. A loss that uses collectives must
+    be traced inside ``shard_map``.
+
+    Example::
+
+        >>> config = models.GPTConfig(num_layers=2, d_model=64, num_heads=2, seq_len=8, scan_layers=True)
+        >>> mask = stacked_leaves(models.make_loss(config), models.abstract_params(config),
+        ...                       models.example_batch(config, 2))
+        >>> mask["blocks"]["attn"]["qkv"]["kernel"], mask["ln_f"]["scale"]
+        (True, False)
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    flat_args, args_tree = jax.tree.flatten(example_args)
+
+    def flat_loss(*flat):
+        args = jax.tree.unflatten(args_tree, flat[len(leaves):])
+        return loss_fn(jax.tree.unflatten(treedef, flat[:len(leaves)]), *args)
+
+    closed = jax.make_jaxpr(flat_loss)(*leaves, *flat_args)
+    position = {v: i for i, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
+    found: set[int] = set()
+    _find_scanned(closed.jaxpr, position, found)
+    return jax.tree.unflatten(treedef, [i in found for i in range(len(leaves))])
+
+
+# -- the hook and the scan rewrite ---------------------------------------------------------------
+
+
+def _make_hook(reduce_layer: Callable[[Sequence[jax.Array]], tuple[jax.Array, ...]]):
+    """``hook(layer_leaves, layer_dummies) -> layer_leaves``: an identity whose backward rule
+    reduce-scatters the layer's gradient and returns the shards as the dummies' cotangent."""
+
+    @jax.custom_vjp
+    def hook(layer: list, dummies: tuple) -> list:
+        return layer
+
+    def fwd(layer, dummies):
+        return layer, None
+
+    def bwd(_, layer_grads):
+        # No cotangent for the parameters: their gradient leaves the loop as shards only.
+        return None, tuple(reduce_layer(layer_grads))
+
+    hook.defvjp(fwd, bwd)
+    return hook
+
+
+class _ScanRewriter:
+    """Evaluates a traced loss, replacing the scan over the stacked leaves by one whose body
+    passes each layer's parameters through the sync's hook (one instance per evaluation)."""
+
+    def __init__(self, sync: ScanGradSync, stacked_values: Sequence[jax.Array], dummies: Sequence[jax.Array]):
+        self.sync = sync
+        self.stacked_values = list(stacked_values)
+        self.dummies = tuple(dummies)
+        self.found = False
+
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict) -> list:
+        """``jax.core.eval_jaxpr`` that routes equations touching ``tracked`` vars (var ->
+        stacked-leaf index) to :meth:`_rewrite`."""
+        env: dict[Any, Any] = {}
+        read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            hits = [(k, tracked[v]) for k, v in enumerate(eqn.invars)
+                    if not isinstance(v, _compat.Literal) and v in tracked]
+            with _eqn_context(eqn):
+                if hits:
+                    outs = self._rewrite(eqn, invals, hits, tracked)
+                else:
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                    outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _rewrite(self, eqn: Any, invals: list, hits: list, tracked: dict) -> list:
+        name = eqn.primitive.name
+        paths = self.sync.stacked_paths
+        if name == "scan":
+            return self._scan(eqn, invals, hits)
+        if name in _INLINE_CALLS:
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            inner_tracked = {jaxpr.invars[k]: j for k, j in hits}
+            outs = self.eval(jaxpr, consts, invals, inner_tracked)
+            for outer, v in zip(eqn.outvars, jaxpr.outvars):
+                if v in inner_tracked:  # a call that returns a stacked leaf unchanged
+                    tracked[outer] = inner_tracked[v]
+            return outs
+        leaf = paths[hits[0][1]]
+        is_remat = name in _REMAT
+        hint = (
+            "put the remat inside the scan body (e.g. nnx.remat / jax.checkpoint on the block), not "
+            "around the whole scan" if is_remat else
+            "the stacked leaves must reach the layer scan unchanged, as its scanned inputs (xs), "
+            "and be used nowhere else: their gradient outside the scan would be lost"
+        )
+        used_by = f"jax.checkpoint ({name!r})" if is_remat else repr(name)
+        raise ValueError(f"stacked leaf {leaf!r} is used by {used_by} outside the layer scan; {hint}")
+
+    def _scan(self, eqn: Any, invals: list, hits: list) -> list:
+        paths = self.sync.stacked_paths
+        params = eqn.params
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        first_xs = num_consts + num_carry
+        if self.found:
+            raise ValueError(
+                f"stacked leaf {paths[hits[0][1]]!r} is used by a second scan; ScanGradSync "
+                "supports one scan over the layer stack per loss"
+            )
+        for k, j in hits:
+            if k < first_xs:
+                raise ValueError(
+                    f"stacked leaf {paths[j]!r} is passed to a scan as a loop-invariant constant or "
+                    "carry, not as a scanned input (xs): mark only leaves the layer scan iterates over"
+                )
+        leaves_at = [k - first_xs for k, _ in hits]
+        owners = [j for _, j in hits]
+        if len(set(owners)) != len(owners):
+            dup = next(j for j in owners if owners.count(j) > 1)
+            raise ValueError(f"stacked leaf {paths[dup]!r} is scanned twice by the same scan")
+        if params["length"] != self.sync.num_layers:
+            raise ValueError(
+                f"the scan over the stacked leaves has length {params['length']}, but the sync was "
+                f"built for num_layers={self.sync.num_layers}"
+            )
+        self.found = True
+        body = params["jaxpr"]
+        consts, init, xs = invals[:num_consts], invals[num_consts:first_xs], invals[first_xs:]
+        position = dict(zip(owners, leaves_at))  # stacked-leaf index -> its position in xs
+        # Stacked leaves the body does not read still pass through the hook (zero gradient), so
+        # every layer bucket is complete.
+        unused = [j for j in range(len(self.stacked_values)) if j not in position]
+        extra = [self.stacked_values[j] for j in unused]
+        hook = self.sync._hook
+
+        def body_fn(carry, x):
+            xs_layer, extra_layer, dummies_layer = x
+            layer = [None] * len(self.stacked_values)
+            for j, pos in position.items():
+                layer[j] = xs_layer[pos]
+            for j, value in zip(unused, extra_layer):
+                layer[j] = value
+            layer = hook(layer, dummies_layer)
+            xs_layer = list(xs_layer)
+            for j, pos in position.items():
+                xs_layer[pos] = layer[j]
+            outs = jex_core.jaxpr_as_fun(body)(*consts, *carry, *xs_layer)
+            return list(outs[:num_carry]), list(outs[num_carry:])
+
+        carry, ys = jax.lax.scan(
+            body_fn, list(init), (list(xs), extra, self.dummies), length=params["length"],
+            reverse=params["reverse"], unroll=params["unroll"],
+            _split_transpose=params.get("_split_transpose", False),
+        )
+        return [*carry, *ys]
+
+
+def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
+    """Adds to ``found`` the input positions that reach a scan's xs (through inline calls)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        operands = [(k, position[v]) for k, v in enumerate(eqn.invars)
+                    if not isinstance(v, _compat.Literal) and v in position]
+        if not operands:
+            continue
+        if name == "scan":
+            first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+            found.update(i for k, i in operands if k >= first_xs)
+        elif name in _INLINE_CALLS:
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = getattr(inner, "jaxpr", inner)
+            _find_scanned(inner, {inner.invars[k]: i for k, i in operands}, found)
+
+
+@contextlib.contextmanager
+def _eqn_context(eqn: Any):
+    """Re-binds an equation under its own name stack and context, as ``jax.core.eval_jaxpr``
+    does, so op names (and the ``named_scope``s the planner reads) survive the replay."""
+    try:
+        from jax._src import source_info_util  # private; only for names, so optional
+    except ImportError:  # pragma: no cover - a jax without it
+        yield
+        return
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    ctx = getattr(eqn, "ctx", None)
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with (ctx.manager if ctx is not None else contextlib.nullcontext()):
+            yield
+
+
+# -- small helpers -------------------------------------------------------------------------------
+
+
+def _stacked_mask(params: PyTree, stacked: Stacked, paths: Sequence[str]) -> list[bool]:
+    if callable(stacked):
+        return [bool(stacked(path)) for path in paths]
+    try:
+        # A prefix of params' structure is broadcast: {"blocks": True} marks every leaf below.
+        full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), stacked, params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "stacked must be a predicate on leaf paths or a pytree of bools with the structure of "
+            f"params (or a prefix of it); it does not match params: {e}"
+        ) from None
+    mask = jax.tree.leaves(full)
+    if len(mask) != len(paths):  # pragma: no cover - tree.map guarantees it
+        raise ValueError("stacked does not match params")
+    return mask
+
+
+def _check_num_layers(stacked: Sequence[tuple[str, tuple[int, ...]]], num_layers: int | None) -> int:
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+    for path, shape in stacked:
+        if not shape:
+            raise ValueError(
+                f"stacked leaf {path!r} is a scalar; a leaf stacked over layers has the layer "
+                "axis first. Unmark it (stacked=...)"
+            )
+    if num_layers is None:
+        # The most common leading dimension: a wrongly marked leaf is then the one named below.
+        leading = [shape[0] for _, shape in stacked]
+        num_layers = max(leading, key=leading.count)
+    for path, shape in stacked:
+        if shape[0] != num_layers:
+            raise ValueError(
+                f"stacked leaf {path!r} has shape {shape}: its leading dimension {shape[0]} is not "
+                f"the number of layers (the scan length) {num_layers}. Stack it over layers "
+                "first, or leave it out of stacked="
+            )
+    return num_layers
+
+
+def _split_microbatches(x: Any, k: int) -> jax.Array:
+    shape = np.shape(x)
+    if not shape or shape[0] % k:
+        raise ValueError(
+            f"microbatches={k} splits every argument after params along its leading axis; an "
+            f"argument of shape {tuple(shape)} does not split into {k} equal parts"
+        )
+    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
