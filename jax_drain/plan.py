@@ -3,8 +3,11 @@
 Compiles a step for compile-only GPU devices (:mod:`jax_drain.gpu_targets`) and reports XLA's
 own buffer assignment (``memory_analysis()``) and final schedule (``as_text()``, parsed by
 :mod:`jax_drain.schedule`): temp/argument/output bytes, the gradient-sync collectives with their
-kind, dtype and bytes, how many buckets are in flight at once, whether each collective overlaps
-compute, and an approximate live-bytes curve.
+kind, dtype, bytes and devices per group, how many buckets are in flight at once per bucket
+chain (dense ``jax_drain/bucket{k}``, expert ``jax_drain/expert/bucket{k}``; a collective XLA
+combined from several buckets without a name is attributed by what feeds it), whether each
+collective overlaps compute, and an approximate live-bytes curve. :func:`build_mesh_step` builds
+a tensor-parallel HSDP step (``("replica", "data", "model")``) to plan.
 
 Python::
 
@@ -47,13 +50,22 @@ from jax_drain.gpu_targets import gpu_mesh, parse_topology
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order
 from jax_drain.schedule import Collective, Schedule, parse_schedule
-from jax_drain.sync import SCOPE_PREFIX, GradSync, local_params
+from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
 
 #: Baseline strategies; every reduce mode ``m`` adds ``m`` (undrained), ``m+drain`` (one
 #: bucket in flight) and ``m+drainK`` (K buckets in flight).
 BASELINES = ("gspmd", "gspmd+flags", "no_comm")
 
 _BUCKET_SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"/bucket(\d+)")
+
+#: Bucket chains of a :class:`GradSync` and the named scope each one's buckets run under.
+CHAIN_SCOPES = {"dense": SCOPE_PREFIX, "expert": EXPERT_SCOPE}
+_CHAIN_BUCKET = re.compile(
+    re.escape(SCOPE_PREFIX) + "/(?:(" + re.escape(EXPERT_SCOPE.removeprefix(SCOPE_PREFIX + "/")) + r")/)?bucket(\d+)"
+)
+
+#: (chain, bucket index) that a collective carries, e.g. ``("expert", 0)``.
+BucketRef = tuple[str, int]
 
 
 class PlanError(ValueError):
@@ -103,6 +115,25 @@ class Plan:
     strategy: str | None = None
     bucket_size: int | None = None
     notes: tuple[str, ...] = ()
+    # Per collective (same order): the (chain, bucket) pairs it carries; () when unattributed.
+    collective_buckets: tuple[tuple[BucketRef, ...], ...] = ()
+    # Per bucket chain ("dense", "expert") that has collectives: most of its buckets in flight.
+    chains_in_flight: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
+
+    def buckets_of(self, c: Collective) -> tuple[BucketRef, ...]:
+        """The (chain, bucket) pairs collective ``c`` of this plan carries (several when XLA
+        combined buckets); ``()`` for a collective of no bucket.
+
+        Example::
+
+            >>> [report.buckets_of(c) for c in report.collectives]  # doctest: +SKIP
+            [(('dense', 0),), ..., (('dense', 5), ('expert', 0)), ...]
+        """
+        if self.collective_buckets:
+            return self.collective_buckets[self.collectives.index(c)]
+        # A Plan built by hand, without the schedule: named dense buckets only.
+        found = {int(m.group(1)) for n in c.op_names if (m := _BUCKET_SCOPE.search(n))}
+        return tuple(("dense", k) for k in sorted(found))
 
     @property
     def pairs(self) -> int:
@@ -129,6 +160,7 @@ class Plan:
             "pairs": self.pairs,
             "overlapped": self.overlapped,
             "buckets_in_flight": self.buckets_in_flight,
+            "chains_in_flight": dict(self.chains_in_flight),
             "collectives_in_flight": self.collectives_in_flight,
             "peak_live_bytes": max(self.live_bytes, default=0),
             "compile_s": round(self.compile_s, 3),
@@ -137,7 +169,11 @@ class Plan:
                     "kind": c.kind,
                     "dtype": c.dtype,
                     "bytes": c.bytes,
-                    "bucket": _bucket_of(c),
+                    "group_size": c.group_size,
+                    # "bucket"/"chain": the first carried; "buckets": all, when XLA combined some.
+                    "bucket": refs[0][1] if (refs := self.buckets_of(c)) else None,
+                    "chain": refs[0][0] if refs else None,
+                    "buckets": [list(r) for r in refs],
                     "start": c.start,
                     "done": c.done,
                     "computation": c.computation,
@@ -159,15 +195,21 @@ class Plan:
             f"  temp {mib(self.temp_bytes)}   arguments {mib(self.argument_bytes)}   "
             f"outputs {mib(self.output_bytes)}   compile {self.compile_s:.1f} s",
             f"  collectives: {len(self.collectives)} ({self.pairs} async pairs, {self.overlapped} "
-            f"overlap compute); in flight at once: {self.buckets_in_flight} buckets, "
-            f"{self.collectives_in_flight} collectives",
+            f"overlap compute); in flight at once: {self.buckets_in_flight} buckets"
+            + (f" ({', '.join(f'{k} {v}' for k, v in self.chains_in_flight.items())})"
+               if len(self.chains_in_flight) > 1 else "")
+            + f", {self.collectives_in_flight} collectives",
         ]
         head += [f"  note: {n}" for n in self.notes]
-        rows = [("bucket", "kind", "dtype", "bytes", "start", "done", "overlap")]
+        rows = [("chain", "bucket", "kind", "dtype", "bytes", "group", "start", "done", "overlap")]
         for c in self.collectives:
-            bucket = _bucket_of(c)
+            by_chain: dict[str, list[int]] = {}
+            for chain, k in self.buckets_of(c):
+                by_chain.setdefault(chain, []).append(k)
             rows.append((
-                "-" if bucket is None else str(bucket), c.kind, c.dtype, f"{c.bytes:,}",
+                "+".join(by_chain) or "-",
+                "+".join(_ranges(ks) for ks in by_chain.values()) or "-", c.kind, c.dtype, f"{c.bytes:,}",
+                "-" if c.group_size is None else str(c.group_size),
                 str(c.start), str(c.done), "sync" if c.is_sync else ("yes" if c.overlapped else "no"),
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -192,6 +234,17 @@ class Plan:
         plt.close(fig)
 
 
+def _ranges(ks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: a combined collective can carry a whole chain."""
+    parts: list[str] = []
+    for k in sorted(set(ks)):
+        if parts and parts[-1].rpartition("-")[2] == str(k - 1):
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{k}"
+        else:
+            parts.append(str(k))
+    return ",".join(parts)
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -204,27 +257,93 @@ def _pyplot():
 
 
 def _bucket_of(c: Collective) -> int | None:
+    """The dense bucket a named collective carries (kept for callers of the one-chain form)."""
     for name in c.op_names:
         if m := _BUCKET_SCOPE.search(name):
             return int(m.group(1))
     return None
 
 
-def _buckets_in_flight(sched: Schedule, collectives: Sequence[Collective]) -> int:
-    """Most buckets in flight at once: a bucket spans its first start to its last done."""
-    spans: dict[tuple[str, int], list[int]] = {}
-    for c in collectives:
-        buckets = {int(m.group(1)) for n in c.op_names if (m := _BUCKET_SCOPE.search(n))} or {-1 - c.start}
+def collective_buckets(sched: Schedule, c: Collective) -> tuple[BucketRef, ...]:
+    """The (chain, bucket) pairs a collective carries, sorted: from its op names or, when XLA
+    combined collectives into one without a name, from the op names that feed it
+    (:meth:`Schedule.op_names_of`). ``()`` for a collective of no :class:`GradSync` bucket.
+
+    Example::
+
+        >>> collective_buckets(sched, merged)  # doctest: +SKIP
+        (('dense', 5), ('expert', 0))
+    """
+    refs = {("expert" if m.group(1) else "dense", int(m.group(2)))
+            for name in sched.op_names_of(c) if (m := _CHAIN_BUCKET.search(name))}
+    return tuple(sorted(refs))
+
+
+def bucket_spans(
+    sched: Schedule, collectives: Sequence[Collective] | None = None, computation: str | None = None
+) -> dict[str, dict[int, tuple[int, int]]]:
+    """Chain -> bucket -> (first start, last end) of the bucket's collectives in one
+    computation (default: ENTRY). A synchronous collective ends at its start; a combined one
+    counts for every bucket it carries.
+
+    Example::
+
+        >>> bucket_spans(sched)["expert"]  # doctest: +SKIP
+        {0: (812, 840), 1: (851, 877)}
+    """
+    computation = computation or sched.entry
+    spans: dict[str, dict[int, tuple[int, int]]] = {}
+    for c in sched.collectives if collectives is None else collectives:
+        if c.computation != computation:
+            continue
         end = c.start if c.is_sync else c.done
-        for b in buckets:
-            span = spans.setdefault((c.computation, b), [c.start, end])
-            span[0], span[1] = min(span[0], c.start), max(span[1], end)
-    events = sorted((pos, kind) for (_, _), (s, e) in spans.items() for pos, kind in ((s, 0), (e, 1)))
+        for chain, k in collective_buckets(sched, c):
+            s, e = spans.setdefault(chain, {}).get(k, (c.start, end))
+            spans[chain][k] = (min(s, c.start), max(e, end))
+    return spans
+
+
+def max_overlap(spans: Sequence[tuple[int, int]]) -> int:
+    """Most of the inclusive ``(start, end)`` spans that overlap at one position.
+
+    Example::
+
+        >>> max_overlap([(0, 3), (3, 5), (6, 7)])
+        2
+    """
+    events = sorted([(s, 0) for s, _ in spans] + [(e, 1) for _, e in spans])
     best = live = 0
     for _, kind in events:  # starts sort before ends at the same index: both inclusive
         live += 1 if kind == 0 else -1
         best = max(best, live)
     return best
+
+
+def _in_flight(sched: Schedule, collectives: Sequence[Collective]) -> tuple[int, dict[str, int]]:
+    """(most buckets in flight at once in any one chain, per chain the most of its buckets).
+
+    Chains run independently (their drains do not wait on each other), so each is bounded on
+    its own. Collectives of no bucket (XLA's own, or everything when planning without a scope)
+    each count as a one-collective bucket of their own group, which bounds the first number too.
+    """
+    per_chain: dict[str, int] = {}
+    loose = 0
+    for comp in dict.fromkeys(c.computation for c in collectives):
+        for chain, spans in bucket_spans(sched, collectives, comp).items():
+            per_chain[chain] = max(per_chain.get(chain, 0), max_overlap(list(spans.values())))
+        loose = max(loose, max_overlap([(c.start, c.start if c.is_sync else c.done) for c in collectives
+                                        if c.computation == comp and not collective_buckets(sched, c)]))
+    ordered = {k: per_chain[k] for k in CHAIN_SCOPES if k in per_chain}
+    return max([loose, *ordered.values()]), ordered
+
+
+def _is_sync_collective(sched: Schedule, c: Collective, scope: str | None) -> bool:
+    """In ``scope`` by op name; an unnamed (combined) collective by what feeds it, when that
+    names a sync bucket."""
+    if scope is None or c.in_scope(scope):
+        return True
+    return not c.op_name and bool(collective_buckets(sched, c)) and any(
+        scope in n for n in sched.feeding_op_names(c))
 
 
 def plan(
@@ -245,7 +364,8 @@ def plan(
         target, topology: labels for the report (the devices are the mesh's).
         compiler_options: XLA options for this compile, e.g.
             ``{"xla_gpu_reduce_scatter_combine_threshold_bytes": 2**26}``.
-        scope: only collectives whose op name contains this are the sync's; ``None`` keeps all.
+        scope: only collectives whose op name contains this are the sync's (and unnamed ones
+            XLA combined from sync buckets, see :func:`collective_buckets`); ``None`` keeps all.
         report_fields: ``strategy``, ``num_buckets``, ``bucket_size``, ``notes`` for the report.
     """
     jitted = step if hasattr(step, "lower") else jax.jit(step)
@@ -261,7 +381,8 @@ def plan(
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     sched = parse_schedule(compiled.as_text())
-    mine = tuple(c for c in sched.collectives if scope is None or c.in_scope(scope))
+    mine = tuple(c for c in sched.collectives if _is_sync_collective(sched, c, scope))
+    buckets_in_flight, chains_in_flight = _in_flight(sched, mine)
     devices = _step_devices(lowered, compiled)
     return Plan(
         target=target,
@@ -272,9 +393,11 @@ def plan(
         output_bytes=int(memory.output_size_in_bytes),
         compile_s=compile_s,
         collectives=mine,
-        buckets_in_flight=_buckets_in_flight(sched, mine),
+        buckets_in_flight=buckets_in_flight,
         collectives_in_flight=sched.max_in_flight(lambda c: c in mine),
         live_bytes=tuple(sched.live_bytes()),
+        collective_buckets=tuple(collective_buckets(sched, c) for c in mine),
+        chains_in_flight=chains_in_flight,
         **report_fields,
     )
 
@@ -350,6 +473,115 @@ def build_step(
     else:
         fn = sync.value_and_grad(loss_fn)
     step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
+    return step, (params, batch), sync
+
+
+def mesh_block_params(layers: int, d_model: int, expert: bool = False, num_experts: int = 4,
+                      dtype: Any = jnp.bfloat16) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """Abstract params of :func:`mesh_block_loss`'s block stack (global shapes).
+
+    Per block ``layer{i}``: a float32 ``norm``, ``w_in`` ``(d, 4d)`` and ``w_out`` ``(4d, d)``
+    in ``dtype``, and with ``expert`` a stack ``experts`` ``(num_experts, d, 2d)``.
+
+    Example::
+
+        >>> mesh_block_params(2, 64)["layer1"]["w_in"].shape
+        (64, 256)
+    """
+    layer = {"w_in": jax.ShapeDtypeStruct((d_model, 4 * d_model), dtype),
+             "w_out": jax.ShapeDtypeStruct((4 * d_model, d_model), dtype),
+             "norm": jax.ShapeDtypeStruct((d_model,), jnp.float32)}
+    if expert:
+        layer["experts"] = jax.ShapeDtypeStruct((num_experts, d_model, 2 * d_model), dtype)
+    return {f"layer{i}": dict(layer) for i in range(layers)}
+
+
+def mesh_block_specs(params: Any, model_axis: str = "model", expert_axis: str = "expert") -> Any:
+    """Megatron tensor-parallel ``PartitionSpec``s for :func:`mesh_block_params`: ``w_in``
+    column-parallel, ``w_out`` row-parallel, experts split over ``expert_axis`` (and their
+    hidden dimension over ``model_axis``), norms replicated.
+
+    Example::
+
+        >>> mesh_block_specs(mesh_block_params(1, 64))["layer0"]["w_out"]
+        P('model', None)
+    """
+    tp = {"w_in": P(None, model_axis), "w_out": P(model_axis, None), "norm": None,
+          "experts": P(expert_axis, None, model_axis)}
+    return {name: {k: tp[k] for k in layer} for name, layer in params.items()}
+
+
+def mesh_block_loss(p: Any, x: jax.Array, expert_axis: str | None = None, model_axis: str = "model") -> jax.Array:
+    """A residual stack of tensor-parallel MLP blocks, per device inside ``shard_map``.
+
+    Each block: ``x -> tanh(norm(x) @ w_in) @ w_out`` with ``w_in`` column- and ``w_out``
+    row-parallel, so one ``psum`` over ``model_axis`` per block (Megatron's MLP). With
+    ``expert_axis``: then tokens go to the ranks along it (all-to-all), through the local
+    expert (its hidden dimension split over ``model_axis``) and back.
+
+    Example::
+
+        >>> loss = lambda p, x: mesh_block_loss(p, x, expert_axis="expert")  # doctest: +SKIP
+    """
+    h = x
+    d = x.shape[-1]
+    for i in range(len(p)):
+        q = p[f"layer{i}"]
+        z = jnp.tanh((h * q["norm"]).astype(q["w_in"].dtype) @ q["w_in"])
+        h = h + jax.lax.psum(z @ q["w_out"], model_axis).astype(h.dtype)
+        if expert_axis:
+            n = _compat.axis_size(expert_axis)
+            blocks = jax.lax.all_to_all(h.astype(q["experts"].dtype).reshape(n, -1, d), expert_axis, 0, 0, tiled=True)
+            y = jnp.einsum("ncd,de->nce", blocks, q["experts"][0])
+            y = jax.lax.psum(y @ q["experts"][0].T, model_axis)
+            h = h + jax.lax.all_to_all(y, expert_axis, 0, 0, tiled=True).reshape(-1, d).astype(h.dtype)
+    return jnp.mean(h ** 2)
+
+
+def build_mesh_step(
+    mesh: Mesh,
+    layers: int = 4,
+    d_model: int = 256,
+    reduce: str = "fp32_accum",
+    drain: bool = True,
+    max_in_flight: int | None = None,
+    bucket_size: int | None = None,
+    expert: bool = False,
+    tokens_per_device: int = 64,
+    outer_axis: str | None = "replica",
+    model_axis: str = "model",
+) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync]:
+    """A jitted gradient step of :func:`mesh_block_loss` on a ``("replica", "data", "model")``
+    mesh (with ``expert``: ``("replica", "data", "expert", "model")``): tensor parallel over
+    ``model_axis``, HSDP (inner reduce-scatter over the data axes, outer all-reduce over
+    ``outer_axis``), expert params in their own chain. Returns the step, its abstract inputs
+    (params, batch) and its :class:`GradSync`, ready for :func:`plan`.
+
+    ``bucket_size`` (elements) defaults to one local ``w_in`` block per bucket.
+
+    Example::
+
+        mesh = gpu_mesh((2, 4, 2), ("replica", "data", "model"), topology="1x2x8")
+        report = plan(*build_mesh_step(mesh, layers=8, d_model=1024)[:2], topology="1x2x8")
+    """
+    missing = [a for a in (outer_axis, model_axis, "data", "expert" if expert else None)
+               if a and a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"build_mesh_step needs mesh axes {missing} (the mesh has {mesh.axis_names}); "
+                         "name them, e.g. gpu_mesh((2, 4, 2), ('replica', 'data', 'model'))")
+    params = mesh_block_params(layers, d_model, expert)
+    if bucket_size is None:
+        bucket_size = 4 * d_model * d_model // mesh.shape[model_axis]
+    chains = dict(axis=("data", "expert"), expert=lambda path: path.endswith("experts"),
+                  expert_axis="data") if expert else {}
+    sync = GradSync(params, mesh, bucket_size=bucket_size, reduce=reduce, drain=drain, max_in_flight=max_in_flight,
+                    outer_axis=outer_axis, param_specs=mesh_block_specs(params, model_axis), **chains)
+    loss = (lambda p, x: mesh_block_loss(p, x, "expert", model_axis)) if expert else \
+        (lambda p, x: mesh_block_loss(p, x, None, model_axis))
+    out_specs = Shards(sync.shard_spec, sync.expert_shard_spec) if expert else sync.shard_spec
+    step = jax.jit(_compat.shard_map(sync.value_and_grad(loss), mesh=mesh,
+                                     in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)))
+    batch = jax.ShapeDtypeStruct((sync.axis_size * sync.outer_size * tokens_per_device, d_model), jnp.float32)
     return step, (params, batch), sync
 
 

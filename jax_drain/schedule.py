@@ -34,6 +34,7 @@ __all__ = [
     "Schedule",
     "expand_op_name",
     "parse_schedule",
+    "replica_group_size",
     "shape_bytes",
     "shape_dtypes",
 ]
@@ -104,6 +105,8 @@ _CALLED_RE = re.compile(
 )
 _OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
 _IS_SYNC_RE = re.compile(r'"is_sync"\s*:\s*(true|false)')
+_IOTA_GROUPS_RE = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=")
+_LIST_GROUPS_RE = re.compile(r"\breplica_groups=\{\{([\d,\s]+)\}")
 
 
 def _element_bits(dtype: str) -> int:
@@ -219,6 +222,25 @@ def expand_op_name(op_name: str) -> tuple[str, ...]:
     return tuple(name for part in parts for name in expand_op_name(prefix + part))
 
 
+def replica_group_size(attributes: str) -> int | None:
+    """Devices per replica group of a collective, from its attributes: the list form
+    ``replica_groups={{0,1},{2,3}}`` or the iota form ``replica_groups=[G,S]<=[...]``; ``None``
+    when the groups are empty (every device) or absent.
+
+    Example::
+
+        >>> replica_group_size("channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}")
+        2
+        >>> replica_group_size("replica_groups={{0,1,2,3},{4,5,6,7}}")
+        4
+    """
+    if m := _IOTA_GROUPS_RE.search(attributes):
+        return int(m.group(2))
+    if m := _LIST_GROUPS_RE.search(attributes):
+        return len([d for d in m.group(1).split(",") if d.strip()])
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Instruction:
     """One HLO instruction as printed: ``[ROOT] %name = shape opcode(operands), attributes``."""
@@ -294,6 +316,7 @@ class Collective:
     op_name: str  # metadata op_name; combined ops carry "prefix/(a:b:c)", see op_names
     overlapped: bool  # compute scheduled strictly between start and done (never for is_sync)
     is_sync: bool  # XLA runs it synchronously on the compute stream
+    group_size: int | None = None  # devices per replica group (None: every device / unknown)
 
     @property
     def op_names(self) -> tuple[str, ...]:
@@ -352,6 +375,45 @@ class Schedule:
                 live += 1 if kind == 1 else -1
                 best = max(best, live)
         return best
+
+    def feeding_op_names(self, c: Collective, depth: int = 8) -> tuple[str, ...]:
+        """Op names of the nearest named producers of collective ``c``'s operands.
+
+        XLA's all-reduce combiner may concatenate independent all-reduces (e.g. one chain's last
+        bucket and another chain's first, both over the same axis) into one op *without* an op
+        name; its operands still tell which ops it carries. Unnamed producers (bitcasts,
+        tuples, ...) are walked through, up to ``depth`` steps back, within ``c``'s computation.
+
+        Example::
+
+            >>> sched.feeding_op_names(merged)  # doctest: +SKIP
+            ('jit(step)/jax_drain/bucket5/reduce_scatter', 'jit(step)/jax_drain/expert/bucket0/...')
+        """
+        instrs = {i.name: i for i in self.computations[c.computation]}
+        names: list[str] = []
+        frontier, seen = list(instrs[c.name].operands), set()
+        for _ in range(depth):
+            upstream = []
+            for n in frontier:
+                if n in seen or n not in instrs:
+                    continue
+                seen.add(n)
+                if instrs[n].op_name:
+                    names.extend(expand_op_name(instrs[n].op_name))
+                else:
+                    upstream.extend(instrs[n].operands)
+            frontier = upstream
+        return tuple(names)
+
+    def op_names_of(self, c: Collective) -> tuple[str, ...]:
+        """``c``'s own op names, or, for a combined collective XLA left unnamed, the op names
+        that feed it (:meth:`feeding_op_names`): what to attribute ``c`` by.
+
+        Example::
+
+            >>> [n for c in sched.collectives for n in sched.op_names_of(c)]  # doctest: +SKIP
+        """
+        return c.op_names or self.feeding_op_names(c)
 
     def live_bytes(self) -> list[int]:
         """Approximate bytes live after each ENTRY instruction (one entry per instruction).
@@ -498,17 +560,17 @@ def _collectives(computations: Mapping[str, Sequence[Instruction]]) -> list[Coll
         for i, ins in enumerate(instrs):
             if ins.opcode in COLLECTIVE_KINDS:
                 kind, done, sync = ins.opcode, i, True
-                payload = ins
+                payload = grouped = ins
             elif _is_start(ins.opcode) and ins.opcode.removesuffix("-start") in COLLECTIVE_KINDS:
                 kind = ins.opcode.removesuffix("-start")
                 done, sync = _find_done(instrs, i), _is_sync(ins)
-                payload = instrs[done]
+                payload, grouped = instrs[done], ins
             elif ins.opcode == "async-start":
                 inner = _root_collective(computations, ins.called)
                 if inner is None:
                     continue
                 kind, done, sync = inner.opcode, _find_done(instrs, i), _is_sync(ins)
-                payload = instrs[done]
+                payload, grouped = instrs[done], inner  # the wrapped op carries the groups
             else:
                 continue
             between = instrs[i + 1 : done]
@@ -524,6 +586,7 @@ def _collectives(computations: Mapping[str, Sequence[Instruction]]) -> list[Coll
                     op_name=ins.op_name,
                     overlapped=not sync and any(b.opcode in COMPUTE_OPCODES for b in between),
                     is_sync=sync,
+                    group_size=replica_group_size(grouped.attributes),
                 )
             )
     return found

@@ -36,7 +36,7 @@ def test_finds_one_collective_per_bucket_and_the_in_flight_bound(reports):
     assert len(drained.collectives) == drained.num_buckets == drained.pairs
     assert {(c.kind, c.dtype) for c in drained.collectives} == {("all-to-all", "bf16")}
     assert sorted(plan._bucket_of(c) for c in drained.collectives) == list(range(drained.num_buckets))
-    assert drained.buckets_in_flight == 1
+    assert drained.buckets_in_flight == 1 and drained.chains_in_flight == {"dense": 1}
     assert reports["drain2"].buckets_in_flight == 2
     assert reports["undrained"].buckets_in_flight > 2
     assert reports["no_comm"].collectives == () and reports["no_comm"].buckets_in_flight == 0
@@ -123,3 +123,37 @@ def test_bucket_size_for_gives_the_requested_count():
         assert BucketLayout.build(params, size, 128).num_buckets >= want
         if want > 1:  # the largest such size: one more element merges two buckets
             assert BucketLayout.build(params, size + 1, 128).num_buckets < want
+
+
+@pytest.fixture(scope="module")
+def expert_reports():
+    """The expert mesh of tests/test_mesh.py (2 hosts; dense and expert chains), drained and not."""
+    mesh = gpu_mesh((2, 2, 2, 2), ("replica", "data", "expert", "model"), topology="1x2x8")
+    out = {}
+    for drain in (True, False):
+        step, args, sync = plan.build_mesh_step(mesh, layers=4, d_model=256, expert=True, drain=drain)
+        out[drain] = sync, plan.plan(step, *args, topology="1x2x8", compiler_options=OVERLAP_4)
+    return out
+
+
+def test_planner_bounds_each_bucket_chain(expert_reports):
+    sync, drained = expert_reports[True]
+    assert sync.num_buckets >= 2 and sync.num_expert_buckets >= 2
+    assert drained.chains_in_flight == {"dense": 1, "expert": 1} and drained.buckets_in_flight == 1
+    # Every bucket of both chains is found: an inner all-to-all and an outer all-reduce each,
+    # where XLA may merge one dense and one expert all-reduce into one collective without a name.
+    carried = {ref for c in drained.collectives for ref in drained.buckets_of(c)}
+    assert carried == {("dense", k) for k in range(sync.num_buckets)} | \
+        {("expert", k) for k in range(sync.num_expert_buckets)}
+    for c in drained.collectives:
+        refs = drained.buckets_of(c)
+        assert refs and (len(refs) == 1 or (c.op_name == "" and c.kind == "all-reduce")), (c, refs)
+        assert c.group_size == (2 if c.kind == "all-reduce" else 4 if refs[0][0] == "dense" else 2)
+    row = drained.to_json()
+    assert row["chains_in_flight"] == {"dense": 1, "expert": 1}
+    assert {c["chain"] for c in row["collectives"]} == {"dense", "expert"}
+    assert "expert" in drained.table() and "dense 1, expert 1" in drained.table()
+
+    _, undrained = expert_reports[False]
+    assert undrained.chains_in_flight["dense"] > 1 and undrained.chains_in_flight["expert"] > 1
+    assert undrained.buckets_in_flight == max(undrained.chains_in_flight.values())

@@ -10,6 +10,7 @@ from jax_drain.schedule import (
     Collective,
     expand_op_name,
     parse_schedule,
+    replica_group_size,
     shape_bytes,
     shape_dtypes,
 )
@@ -194,6 +195,47 @@ def test_long_form_operands_and_wrapped_lines():
     assert done.name == "a2a-done" and done.operands == ("a2a-start",)
     start = sched.computations["main"][2]
     assert start.operands == ("a",) and start.called == ("wrapped_a2a",)
+
+
+# XLA's all-reduce combiner merged the dense chain's last outer all-reduce and the expert
+# chain's first into %merged, which has no op name; its operands' producers have.
+COMBINED = """HloModule combined, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: bf16[64], p1: bf16[32]) -> (f32[16], f32[16]) {
+  %p0 = bf16[64]{0} parameter(0)
+  %p1 = bf16[32]{0} parameter(1)
+  %a2a = bf16[64]{0} all-to-all(%p0), channel_id=1, replica_groups=[4,4]<=[16], dimensions={0}, metadata={op_name="jit(step)/jax_drain/bucket5/reduce_scatter"}
+  %sum = f32[16]{0} fusion(%a2a), kind=kLoop, calls=%add, metadata={op_name="jit(step)/jax_drain/bucket5/reduce_scatter/reduce_sum"}
+  %cvt = f32[32]{0} fusion(%p1), kind=kLoop, calls=%add, metadata={op_name="jit(step)/jax_drain/expert/bucket0/convert_element_type"}
+  %bc = f32[16]{0} bitcast(%cvt)
+  %merged = (f32[16]{0}, f32[16]{0}) all-reduce(%sum, %bc), channel_id=2, replica_groups={{0,8},{1,9}}, to_apply=%add
+  %g0 = f32[16]{0} get-tuple-element(%merged), index=0
+  %g1 = f32[16]{0} get-tuple-element(%merged), index=1
+  ROOT %t = (f32[16]{0}, f32[16]{0}) tuple(%g0, %g1)
+}
+"""
+
+
+def test_feeding_op_names_attribute_a_combined_unnamed_collective():
+    from jax_drain import plan
+
+    sched = parse_schedule(COMBINED)
+    a2a, merged = sched.collectives
+    assert (a2a.group_size, merged.group_size) == (4, 2)
+    assert merged.op_names == () and sched.op_names_of(a2a) == a2a.op_names
+    assert sched.feeding_op_names(merged) == (
+        "jit(step)/jax_drain/bucket5/reduce_scatter/reduce_sum",
+        "jit(step)/jax_drain/expert/bucket0/convert_element_type",
+    )
+    assert plan.collective_buckets(sched, merged) == (("dense", 5), ("expert", 0))
+    assert plan.bucket_spans(sched) == {"dense": {5: (2, 6)}, "expert": {0: (6, 6)}}
+    assert replica_group_size("replica_groups={}") is None
 
 
 def test_shape_bytes_and_dtypes():
