@@ -36,6 +36,18 @@ def check_max_in_flight(max_in_flight: int | None) -> int | None:
     return max_in_flight
 
 
+def drain_depth(drain: bool, max_in_flight: int | None) -> int | None:
+    """The chain depth of a sync built with ``drain`` and ``max_in_flight``.
+
+    ``drain=True`` means ``max_in_flight`` buckets in flight (default 1, Megatron's drain);
+    ``drain=False`` means no chain (``None``), and then ``max_in_flight`` must not be given.
+    """
+    depth = check_max_in_flight(max_in_flight)
+    if depth is not None and not drain:
+        raise ValueError("max_in_flight bounds the drain chain; it needs drain=True")
+    return (1 if depth is None else depth) if drain else None
+
+
 def sequenced_map(
     fn: Callable[[int, X], Y], inputs: Sequence[X], max_in_flight: int | None
 ) -> tuple[Y, ...]:

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
 from jax_drain.collectives import all_reduce_shard, check_mode, reduce_scatter_bucket
-from jax_drain.drain import check_max_in_flight, sequenced_map
+from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.layout import BucketLayout
 from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, mesh_order, place_leaves
 
@@ -171,10 +171,7 @@ class GradSync:
         self.reduce = check_mode(reduce)
         self.average = bool(average)
         self.drain = bool(drain)
-        max_in_flight = check_max_in_flight(max_in_flight)
-        if max_in_flight is not None and not drain:
-            raise ValueError("max_in_flight bounds the drain chain; it needs drain=True")
-        self.max_in_flight = (1 if max_in_flight is None else max_in_flight) if drain else None
+        self.max_in_flight = drain_depth(drain, max_in_flight)
 
         self._treedef = jax.tree.structure(params)
         local = jax.tree.unflatten(
