@@ -24,7 +24,6 @@ by XLA's combiners, in the gradient dtype) followed by a float32 reduction in th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -42,7 +41,7 @@ from jax_drain import _compat, models  # noqa: E402
 from jax_drain.drain import sequenced_map  # noqa: E402
 from jax_drain.gpu_targets import gpu_mesh  # noqa: E402
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, ScanShards  # noqa: E402
-from jax_drain.schedule import Collective, Instruction, Schedule, parse_schedule  # noqa: E402
+from jax_drain.schedule import Schedule, parse_schedule  # noqa: E402
 from jax_drain.sync import SCOPE_PREFIX, local_params  # noqa: E402
 
 STRATEGIES = ("reduce_after_scan", "no_comm", "in_scan")
@@ -112,29 +111,8 @@ def loop_body_check(sched: Schedule, num_layer_buckets: int) -> dict[str, Any]:
         "loop_buckets": buckets,
         "expected_buckets": list(range(num_layer_buckets)),
         "merged": [c.name for c in in_loops if len(c.op_names) > 1],
-        "f32_sums_in_body": sum(1 for c in in_loops if f32_sum_follows(sched, c)),
+        "f32_sums_in_body": sum(1 for c in in_loops if sched.feeds_f32_reduce(c)),
     }
-
-
-def f32_sum_follows(sched: Schedule, collective: Collective) -> bool:
-    """Whether the collective's result feeds a float32 reduction in the same computation."""
-    instrs = sched.computations[collective.computation]
-    derived = {instrs[collective.done].name}
-    for ins in instrs[collective.done + 1:]:
-        if not derived.intersection(ins.operands):
-            continue
-        if ins.opcode in ("bitcast", "get-tuple-element", "copy", "reshape"):
-            derived.add(ins.name)  # a view of the result: follow it
-        elif "f32" in ins.dtype and _has_reduce(sched, ins):
-            return True
-    return False
-
-
-def _has_reduce(sched: Schedule, ins: Instruction) -> bool:
-    if ins.opcode == "reduce":
-        return True
-    return any(inner.opcode == "reduce" and "f32" in inner.dtype
-               for called in ins.called for inner in sched.computations.get(called, ()))
 
 
 def run(strategy: str, config: models.GPTConfig, bucket_size: int, reduce: str = "fp32_accum",

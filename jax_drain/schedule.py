@@ -415,6 +415,26 @@ class Schedule:
         """
         return c.op_names or self.feeding_op_names(c)
 
+    def feeds_f32_reduce(self, collective: Collective) -> bool:
+        """Whether the collective's result feeds a float32 reduction in its own computation.
+
+        Follows views of the result (bitcast, get-tuple-element, copy, reshape) to the first
+        instruction that computes a float32 value with a ``reduce`` (itself or fused inside):
+        the local fp32 sum after an all-to-all, for example.
+        """
+        instrs = self.computations[collective.computation]
+        derived = {instrs[collective.done].name}
+        for ins in instrs[collective.done + 1 :]:
+            if not derived.intersection(ins.operands):
+                continue
+            if ins.opcode in ("bitcast", "get-tuple-element", "copy", "reshape"):
+                derived.add(ins.name)
+                continue
+            fused = [i for c in ins.called for i in self.computations.get(c, ())]
+            if "f32" in ins.dtype and any(i.opcode == "reduce" and i.dtype == "f32" for i in [ins, *fused]):
+                return True
+        return False
+
     def live_bytes(self) -> list[int]:
         """Approximate bytes live after each ENTRY instruction (one entry per instruction).
 

@@ -47,21 +47,6 @@ def compiled():
     return sync, out
 
 
-def _f32_sum_follows(sched, collective) -> bool:
-    instrs = sched.computations[collective.computation]
-    derived = {instrs[collective.done].name}
-    for ins in instrs[collective.done + 1:]:
-        if not derived.intersection(ins.operands):
-            continue
-        if ins.opcode in ("bitcast", "get-tuple-element", "copy", "reshape"):
-            derived.add(ins.name)
-            continue
-        fused = [i for c in ins.called for i in sched.computations.get(c, ())]
-        if "f32" in ins.dtype and any(i.opcode == "reduce" and i.dtype == "f32" for i in [ins, *fused]):
-            return True
-    return False
-
-
 def test_one_collective_per_layer_bucket_inside_the_while_body(compiled):
     sync, out = compiled
     _, sched = out["in_scan"]
@@ -73,7 +58,7 @@ def test_one_collective_per_layer_bucket_inside_the_while_body(compiled):
     assert sorted(buckets) == [0, 1]  # one each: nothing merged, nothing split
     assert all(len(c.op_names) == 1 for c in layer)
     assert {(c.kind, c.dtype) for c in layer} == {("all-to-all", "bf16")}  # fp32_accum: bf16 wire
-    assert all(_f32_sum_follows(sched, c) for c in layer)  # ...and the f32 sum in the same body
+    assert all(sched.feeds_f32_reduce(c) for c in layer)  # ...and the f32 sum in the same body
     assert sched.max_in_flight(lambda c: c.in_scope(LAYER_SCOPE)) == 1  # drained inside the body
     # No gradient all-reduce anywhere: only the scalar loss mean.
     assert [(c.dtype, c.bytes) for c in sched.collectives if c.kind == "all-reduce"] == [("f32", 4)]
