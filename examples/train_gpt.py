@@ -9,6 +9,11 @@ The corpus is ``examples/data/python_docstrings.txt`` (see the README there).
     python examples/train_gpt.py --steps 600 --no-drain --out runs/gpt-nodrain
     python examples/train_gpt.py --steps 600 --reduce bf16 --out runs/gpt-bf16 \\
         --compare runs/gpt runs/gpt-nodrain                                    # overlays the curves
+    python examples/train_gpt.py --steps 600 --scan-layers --out runs/gpt-scan --compare runs/gpt
+
+``--scan-layers`` runs the blocks under ``nnx.scan`` over stacked parameters (same initial
+weights as the unrolled model of the same seed) and syncs them with ``ScanGradSync``: each
+layer's gradient is reduce-scattered inside the backward scan.
 
 Writes ``OUT/losses.json`` (the loss of every step) and ``OUT/loss.png``. With
 ``--checkpoint-every N`` it saves ``OUT/checkpoints`` every N steps; ``--resume`` continues from
@@ -33,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--reduce", default="fp32_accum", help="GradSync reduce mode: bf16, fp32, fp32_accum, fp32_accum_streamed")
     p.add_argument("--no-drain", action="store_true", help="do not chain the bucket collectives")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="nnx.scan over the blocks; per-layer reduce-scatter inside the backward scan (ScanGradSync)")
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     p.add_argument("--bucket-size", type=int, default=100_000, help="elements per gradient bucket")
     p.add_argument("--out", default="runs/train_gpt", help="output directory")
@@ -126,7 +133,14 @@ class Progress:
 
 def build_model(config, vocab_size: int, seed: int):
     """A character GPT: jax_drain.models.GPT's block stack (``vocab_size=None``) between token +
-    learned position embeddings and an output head tied to the token embedding."""
+    learned position embeddings and an output head tied to the token embedding.
+
+    With ``config.scan_layers`` the blocks are one stacked module run by ``nnx.scan``; its
+    weights are copied from the unrolled model of the same ``seed`` (``nnx.vmap`` would draw
+    other random numbers), so both variants start from the same point.
+    """
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -134,7 +148,7 @@ def build_model(config, vocab_size: int, seed: int):
     from jax_drain.models import GPT
 
     class CharGPT(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
+        def __init__(self, config, rngs: nnx.Rngs):
             d, dtype = config.d_model, config.param_dtype
             init = nnx.initializers.normal(0.02)
             self.embed = nnx.Embed(vocab_size, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs)
@@ -152,7 +166,16 @@ def build_model(config, vocab_size: int, seed: int):
             target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
             return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)
 
-    return CharGPT(nnx.Rngs(seed))
+    model = CharGPT(config, nnx.Rngs(seed))
+    if config.scan_layers:
+        twin = CharGPT(dataclasses.replace(config, scan_layers=False), nnx.Rngs(seed))
+        unrolled = nnx.to_pure_dict(nnx.state(twin, nnx.Param))
+        blocks = unrolled["body"]["blocks"]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in range(config.num_layers)])
+        params = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(params, {**unrolled, "body": {**unrolled["body"], "blocks": stacked}})
+        nnx.update(model, params)
+    return model
 
 
 def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str]) -> None:
@@ -210,14 +233,17 @@ def main(argv: list[str] | None = None) -> list[float]:
     corpus = Corpus(DATA)
     config = GPTConfig(
         num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, seq_len=args.seq_len,
-        param_dtype=jnp.dtype(args.param_dtype), remat=False,
+        param_dtype=jnp.dtype(args.param_dtype), remat=False, scan_layers=args.scan_layers,
     )
     model = build_model(config, corpus.vocab_size, args.seed)
 
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
     )
-    matrices = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # no decay on norms
+    # No decay on LayerNorm scales/biases. By name, not ndim > 1: with --scan-layers they are
+    # stacked [layers, d] (the unrolled model's matrices are exactly its non-norm leaves).
+    matrices = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(str(getattr(k, "key", "")).startswith("ln_") for k in path), params)
     tx = optax.chain(
         jd.clip_by_global_norm(args.clip),
         optax.scale_by_adam(b1=0.9, b2=0.95),
@@ -226,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     train_config = jd.TrainConfig(
         bucket_size=args.bucket_size, reduce=args.reduce, drain=not args.no_drain,
-        microbatches=args.microbatches,
+        microbatches=args.microbatches, scan_layers=args.scan_layers,
     )
     example = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
     step_fn = jd.make_train_step(model, lambda m, b: m.loss(b), tx, mesh, train_config, example_batch=example)
@@ -247,7 +273,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"GPT {config.num_layers}x{config.d_model}, vocab {corpus.vocab_size}, {num_params:,} params "
           f"({args.param_dtype}); {len(corpus.ids):,} characters; mesh {dict(mesh.shape)}")
-    print(f"{step_fn.sync!r}\n  buckets (elements): {list(step_fn.sync.bucket_sizes)}")
+    if args.scan_layers:
+        print(f"{step_fn.sync!r}\n  buckets (elements): {list(step_fn.sync.layer_bucket_sizes)} per layer "
+              f"x {step_fn.sync.num_layers}, {list(step_fn.sync.rest_bucket_sizes)} other")
+    else:
+        print(f"{step_fn.sync!r}\n  buckets (elements): {list(step_fn.sync.bucket_sizes)}")
     print(f"optimizer state per device: {memory['distributed']:,} bytes vs {memory['replicated']:,} "
           f"replicated (fp32 master + adam) = {memory['ratio']:.3f}x")
 
@@ -265,7 +295,8 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     (out / "losses.json").write_text(json.dumps(losses))
     title = (f"char GPT {config.num_layers}x{config.d_model} on {args.devices} devices: reduce={args.reduce}, "
-             f"drain={not args.no_drain}, microbatches={args.microbatches}, bucket_size={args.bucket_size}")
+             f"drain={not args.no_drain}, microbatches={args.microbatches}, bucket_size={args.bucket_size}"
+             f"{', scan_layers' if args.scan_layers else ''}")
     plot(losses, out, title, args.compare)
     if losses:
         head = losses[: min(10, len(losses))]

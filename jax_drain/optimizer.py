@@ -47,6 +47,15 @@ Example (AdamW without decay on biases and LayerNorm scales, with clipping)::
         params, opt_state = opt.update(shards, opt_state)
         return params, opt_state, loss
 
+Scanned layer stacks: ``sync`` may be a :class:`~jax_drain.ScanGradSync`. The master shards
+are then its :class:`~jax_drain.ScanShards` layout, flattened to one tuple ``(*layers, *rest)``:
+a layer bucket's shard is float32 ``[num_layers, shard]`` (row ``l``: layer ``l``), so ``tx``
+sees 2-D shards next to 1-D ones. ``update`` takes the ``ScanShards`` from
+``sync.value_and_grad``; masks and the global norm cover every layer's rows::
+
+    sync = jd.ScanGradSync(params, mesh, stacked=lambda path: path.startswith("blocks/"))
+    opt = jd.DistributedOptimizer(tx, sync)     # same tx, same state_specs / init_sharded
+
 ``optax.adamw(..., mask=...)`` and ``optax.clip_by_global_norm`` must *not* be used here: the
 former's mask is matched against the tuple of shards, the latter computes a per-shard norm.
 ``update`` traces ``tx`` once to catch the second kind of mistake (any reduction over shard
@@ -74,6 +83,7 @@ from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket
 from jax_drain.drain import check_max_in_flight, sequenced_map
 from jax_drain.layout import BucketLayout, leaf_paths
+from jax_drain.scan import ScanGradSync, ScanShards
 from jax_drain.sync import SCOPE_PREFIX, GradSync
 
 PyTree = Any
@@ -92,7 +102,8 @@ class DistState:
 
     ``master[k]``: float32 master weights of bucket ``k`` (dispatch order); inside ``shard_map``
     this device's ``shard_sizes[k]`` elements, outside the whole padded bucket sharded over the
-    data axis. ``inner``: ``tx``'s state on the tuple of master shards. ``fingerprint``: static
+    data axis. With a :class:`~jax_drain.ScanGradSync` the layer buckets come first, each
+    ``[num_layers, shard]`` (``[num_layers, bucket]`` outside), then the other buckets. ``inner``: ``tx``'s state on the tuple of master shards. ``fingerprint``: static
     pytree metadata naming the bucket layout the shards belong to, so a state built for another
     model, bucket size or axis size is refused instead of silently mis-applied.
     """
@@ -102,28 +113,142 @@ class DistState:
     fingerprint: str
 
 
-def layout_fingerprint(sync: GradSync) -> str:
+def layout_fingerprint(sync: GradSync | ScanGradSync) -> str:
     """A short hash of ``sync``'s bucket layout: leaf paths, shapes, dtypes, offsets, axis size.
 
     Two syncs with equal fingerprints put every parameter element at the same place in the same
-    shard, so their optimizer states are interchangeable.
+    shard, so their optimizer states are interchangeable. For a :class:`~jax_drain.ScanGradSync`
+    it covers the per-layer layout, the number of layers and the other leaves' layout.
 
     Example::
 
         >>> layout_fingerprint(sync)  # doctest: +SKIP
         '3f9c0e1a8b7d2c45'
     """
-    layout = sync.layout
-    description = {
-        "axis_size": sync.axis_size,
-        "buckets": [
-            [str(b.dtype), b.padded_size,
-             [[layout.slots[i].path, list(layout.slots[i].shape), str(layout.slots[i].dtype),
-               layout.slots[i].offset] for i in b.leaves]]
-            for b in layout.buckets
-        ],
-    }
+    if isinstance(sync, ScanGradSync):
+        description: dict[str, Any] = {
+            "axis_size": sync.axis_size,
+            "num_layers": sync.num_layers,
+            "layer_buckets": _describe_buckets(sync.layer_layout),
+            "buckets": [] if sync.rest_sync is None else _describe_buckets(sync.rest_sync.layout),
+        }
+    else:
+        description = {"axis_size": sync.axis_size, "buckets": _describe_buckets(sync.layout)}
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _describe_buckets(layout: BucketLayout) -> list:
+    return [
+        [str(b.dtype), b.padded_size,
+         [[layout.slots[i].path, list(layout.slots[i].shape), str(layout.slots[i].dtype),
+           layout.slots[i].offset] for i in b.leaves]]
+        for b in layout.buckets
+    ]
+
+
+# -- the master shards of either sync kind -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One master shard: this device's slice of one bucket (of every layer, for a layer bucket)."""
+
+    layout: BucketLayout  # the layout the bucket belongs to
+    bucket: int  # its index in ``layout.buckets``
+    leaves: tuple[int, ...]  # index in the *full* params' leaves of each of ``layout``'s leaves
+    rows: int | None  # num_layers for a ``[num_layers, size]`` layer shard, None for a 1-D one
+    size: int  # shard elements (per row) one device holds
+    spec: P  # its global PartitionSpec
+    scope: str  # jax.named_scope of its all-gather
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.size,) if self.rows is None else (self.rows, self.size)
+
+    def global_shape(self, axis_size: int) -> tuple[int, ...]:
+        return (self.size * axis_size,) if self.rows is None else (self.rows, self.size * axis_size)
+
+
+class _ShardPlan:
+    """How a sync's buckets become master shards; the one interface DistributedOptimizer uses.
+
+    ``pieces`` are in dispatch order (a ScanGradSync's layer buckets, reduced inside the backward
+    scan, first); ``split`` is the PartitionSpec entry the shards' last axis is split by.
+    """
+
+    def __init__(self, sync: GradSync | ScanGradSync):
+        self.sync = sync
+        if isinstance(sync, ScanGradSync):
+            self.split = P(sync.axis)
+            spec_2d = P(None, *self.split)
+            layers = tuple(
+                _Piece(sync.layer_layout, k, sync._stacked, sync.num_layers, size, spec_2d,
+                       f"{GATHER_SCOPE}/layers/bucket{k}")
+                for k, size in enumerate(sync.layer_shard_sizes)
+            )
+            rest = () if sync.rest_sync is None else tuple(
+                _Piece(sync.rest_sync.layout, j, sync._rest, None, size, self.split, f"{GATHER_SCOPE}/bucket{j}")
+                for j, size in enumerate(sync.rest_shard_sizes)
+            )
+            self.pieces, self.num_layer_pieces = layers + rest, len(layers)
+            self.params = jax.tree.unflatten(
+                sync._treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in sync._shapes]
+            )
+        else:
+            self.split = _shard_spec(sync)
+            everything = tuple(range(len(sync.layout.slots)))
+            self.pieces = tuple(
+                _Piece(sync.layout, k, everything, None, size, self.split, f"{GATHER_SCOPE}/bucket{k}")
+                for k, size in enumerate(sync.shard_sizes)
+            )
+            self.num_layer_pieces = 0
+            self.params = jax.tree.unflatten(
+                sync.layout.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sync.layout.slots]
+            )
+        self.fingerprint = layout_fingerprint(sync)
+
+    @property
+    def axis_size(self) -> int:
+        """Devices one bucket is split over."""
+        return self.sync.axis_size
+
+    def init_master(self, params: PyTree) -> tuple[jax.Array, ...]:
+        """This device's float32 slices of ``params`` (inside ``shard_map``)."""
+        if isinstance(self.sync, ScanGradSync):
+            master = self.sync.init_master(params)
+            return (*master.layers, *master.rest)
+        buckets = self.sync.flatten(params, jnp.float32)
+        rank = jax.lax.axis_index(self.sync.axis)
+        return tuple(
+            jax.lax.dynamic_slice_in_dim(b, rank * n, n) for b, n in zip(buckets, self.sync.shard_sizes)
+        )
+
+    def flat(self, shards: Sequence[jax.Array] | ScanShards) -> tuple[jax.Array, ...]:
+        """The sync's gradient shards as one tuple in ``pieces`` order."""
+        if isinstance(shards, ScanShards):
+            return (*shards.layers, *shards.rest)
+        return tuple(shards)
+
+    def gather(self, piece: _Piece, shard: jax.Array) -> jax.Array:
+        """The whole bucket (``[num_layers, bucket]`` for a layer shard) in its params' dtype."""
+        dtype = piece.layout.buckets[piece.bucket].dtype
+        if piece.rows is None:
+            return all_gather_bucket(shard, self.sync.axis, dtype=dtype)
+        # One 1-D gather of every layer's slice: [L, s] -> [n * L * s] -> [n, L, s] -> [L, n * s].
+        whole = all_gather_bucket(shard.reshape(-1), self.sync.axis, dtype=dtype)
+        n = self.axis_size
+        return whole.reshape(n, piece.rows, piece.size).transpose(1, 0, 2).reshape(piece.rows, n * piece.size)
+
+    def unflatten(self, buckets: Sequence[jax.Array]) -> PyTree:
+        """The params-shaped tree from whole buckets in ``pieces`` order."""
+        if isinstance(self.sync, ScanGradSync):
+            k = self.num_layer_pieces
+            return self.sync.unflatten(ScanShards(tuple(buckets[:k]), tuple(buckets[k:])))
+        return self.sync.unflatten(tuple(buckets))
+
+    def state_spec(self, ndim: int) -> P:
+        """Spec of a sharded ``tx`` state leaf: split along its last axis, like the shards."""
+        return P(*([None] * (ndim - 1)), *self.split)
 
 
 # -- the flat view that DistributedOptimizer exposes to `masked` / `clip_by_global_norm` ----------
@@ -133,33 +258,37 @@ def layout_fingerprint(sync: GradSync) -> str:
 class _FlatView:
     """Set while ``tx`` runs on flat shards: how shard elements map back to parameters."""
 
-    layout: BucketLayout
+    pieces: tuple[_Piece, ...]  # one per shard ``tx`` sees, in order
+    params: PyTree  # the full parameter tree as ShapeDtypeStructs (what masks are called on)
     axis: Any  # the sync's (inner) data axis or axes: shards are split over it
     inside_shard_map: bool  # False while only shapes are being evaluated (no axis bound)
 
     def abstract_params(self) -> PyTree:
-        leaves = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.layout.slots]
-        return jax.tree.unflatten(self.layout.treedef, leaves)
+        return self.params
 
     def leaf_mask(self, mask: Mask) -> list[bool]:
         """One Python bool per parameter leaf (``jax.tree.leaves`` order)."""
-        return _leaf_mask(mask, self.abstract_params())
+        return _leaf_mask(mask, self.params)
 
-    def shard_masks(self, mask: Mask, sizes: Sequence[int]) -> tuple[jax.Array, ...]:
-        """This device's boolean mask of each bucket shard; padding is always False."""
+    def shard_masks(self, mask: Mask) -> tuple[jax.Array, ...]:
+        """This device's boolean mask of each shard; padding is always False.
+
+        A mask is ``[size]``: a layer shard's rows (layers) share it, and it broadcasts.
+        """
         per_leaf = self.leaf_mask(mask)
         out = []
-        for bucket, size in zip(self.layout.buckets, sizes):
+        for piece in self.pieces:
+            layout = piece.layout
             boundaries: list[int] = []  # the mask flips at each boundary; runs are [start, end)
-            for i in bucket.leaves:
-                if not per_leaf[i]:
+            for i in layout.buckets[piece.bucket].leaves:
+                if not per_leaf[piece.leaves[i]]:
                     continue
-                slot = self.layout.slots[i]
+                slot = layout.slots[i]
                 if boundaries and boundaries[-1] == slot.offset:
                     boundaries[-1] = slot.offset + slot.size  # extend the open run
                 else:
                     boundaries += [slot.offset, slot.offset + slot.size]
-            out.append(_inside_runs(_shard_indices(self.axis, size), boundaries))
+            out.append(_inside_runs(_shard_indices(self.axis, piece.size), boundaries))
         return tuple(out)
 
 
@@ -242,7 +371,7 @@ def masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTra
         if view is None:
             return plain.update(updates, state, params, **extra_args)
         new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        masks = view.shard_masks(mask, [u.shape[0] for u in updates])
+        masks = view.shard_masks(mask)
         selected = tuple(jnp.where(m, n, u) for m, n, u in zip(masks, new_updates, updates))
         return selected, optax.MaskedState(inner_state=inner_state)
 
@@ -355,8 +484,9 @@ class DistributedOptimizer:
     Args:
         tx: any element-wise optax ``GradientTransformation`` (see the module doc for masks and
             clipping: :func:`masked`, :func:`clip_by_global_norm`).
-        sync: the :class:`~jax_drain.GradSync` whose reduce-scattered shards ``update`` takes;
-            its layout, mesh and data axis define the shards.
+        sync: the :class:`~jax_drain.GradSync` or :class:`~jax_drain.ScanGradSync` whose
+            reduce-scattered shards ``update`` takes; its layout, mesh and data axis define the
+            shards.
         gather_max_in_flight: depth of the parameter all-gather chain: gather ``k + depth`` (in
             forward order) waits for gather ``k``'s result. ``"sync"`` (default) uses the sync's
             ``max_in_flight``, or 1 when the sync is not drained; ``None`` leaves the gathers
@@ -373,13 +503,15 @@ class DistributedOptimizer:
     def __init__(
         self,
         tx: optax.GradientTransformation,
-        sync: GradSync,
+        sync: GradSync | ScanGradSync,
         *,
         gather_max_in_flight: int | str | None = "sync",
         check_elementwise: bool = True,
     ):
-        if not isinstance(sync, GradSync):
-            raise TypeError(f"sync must be a jax_drain.GradSync, got {type(sync).__name__}")
+        if not isinstance(sync, (GradSync, ScanGradSync)):
+            raise TypeError(
+                f"sync must be a jax_drain.GradSync or jax_drain.ScanGradSync, got {type(sync).__name__}"
+            )
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
         _check_supported(sync)
@@ -395,11 +527,12 @@ class DistributedOptimizer:
             raise ValueError(f"gather_max_in_flight must be 'sync', an int >= 1 or None, got {gather_max_in_flight!r}")
         self.gather_max_in_flight = check_max_in_flight(gather_max_in_flight)
         self.check_elementwise = bool(check_elementwise)
-        self.fingerprint = layout_fingerprint(sync)
+        self._plan = _ShardPlan(sync)
+        self.fingerprint = self._plan.fingerprint
 
     def __repr__(self) -> str:
         return (
-            f"DistributedOptimizer(axis={self.axis!r}, num_buckets={self.sync.num_buckets}, "
+            f"DistributedOptimizer(axis={self.axis!r}, num_shards={len(self._plan.pieces)}, "
             f"gather_max_in_flight={self.gather_max_in_flight}, fingerprint={self.fingerprint!r})"
         )
 
@@ -410,19 +543,16 @@ class DistributedOptimizer:
         Master shards are this device's slices of the float32-cast buckets (padding zero).
         """
         self._check_inside_shard_map("init")
-        buckets = self.sync.flatten(params, jnp.float32)
-        rank = jax.lax.axis_index(self.axis)
-        master = tuple(
-            jax.lax.dynamic_slice_in_dim(b, rank * n, n) for b, n in zip(buckets, self.sync.shard_sizes)
-        )
+        master = self._plan.init_master(params)
         return DistState(master, self._init_inner(master, inside_shard_map=True), self.fingerprint)
 
-    def update(self, grads: Sequence[jax.Array], state: DistState) -> tuple[PyTree, DistState]:
+    def update(self, grads: Sequence[jax.Array] | ScanShards, state: DistState) -> tuple[PyTree, DistState]:
         """One optimizer step on this device's shards; call inside ``jax.shard_map``.
 
         Args:
             grads: the float32 gradient shards from ``sync.reduce_scatter`` /
-                ``sync.value_and_grad`` (one per bucket, dispatch order).
+                ``sync.value_and_grad`` (one per bucket, dispatch order; a
+                :class:`~jax_drain.ScanShards` for a ``ScanGradSync``).
             state: this device's :class:`DistState`.
 
         Returns:
@@ -432,8 +562,7 @@ class DistributedOptimizer:
         self._check_inside_shard_map("update")
         self._check_local_state(state)
         grads = self._check_grads(grads)
-        view = _FlatView(self.sync.layout, self.axis, inside_shard_map=True)
-        with _flat_view(view):
+        with _flat_view(self._view(inside_shard_map=True)):
             if self.check_elementwise:
                 self._check_tx_elementwise(grads, state)
             updates, inner = self.tx.update(grads, state.inner, state.master)
@@ -452,16 +581,31 @@ class DistributedOptimizer:
         :func:`jax_drain.sequenced_map` with depth ``gather_max_in_flight``.
         """
         self._check_inside_shard_map("gather_params")
-        buckets = self.sync.layout.buckets
-        forward = list(reversed(range(len(buckets))))
+        pieces = self._plan.pieces
+        master = tuple(master)
+        if [tuple(m.shape) for m in master] != [p.local_shape for p in pieces]:
+            raise ValueError(
+                f"master shards have shapes {[tuple(m.shape) for m in master]}, expected "
+                f"{[p.local_shape for p in pieces]} per device"
+            )
+        forward = list(reversed(range(len(pieces))))
 
         def gather(j: int, shard: jax.Array) -> jax.Array:
-            k = forward[j]
-            with jax.named_scope(f"{GATHER_SCOPE}/bucket{k}"):
-                return all_gather_bucket(shard, self.axis, dtype=buckets[k].dtype)
+            piece = pieces[forward[j]]
+            with jax.named_scope(piece.scope):
+                return self._plan.gather(piece, shard)
 
         gathered = sequenced_map(gather, [master[k] for k in forward], self.gather_max_in_flight)
-        return self.sync.unflatten(tuple(reversed(gathered)))
+        return self._plan.unflatten(tuple(reversed(gathered)))
+
+    def unflatten_master(self, master: Sequence[jax.Array]) -> PyTree:
+        """The float32 master weights as a params-shaped tree, from a *global* state's master.
+
+        Example::
+
+            master = opt.unflatten_master(state.master)   # outside shard_map
+        """
+        return self._plan.unflatten(tuple(master))
 
     # -- outside shard_map ------------------------------------------------------------------
     def abstract_state(self) -> DistState:
@@ -470,15 +614,17 @@ class DistributedOptimizer:
         Sharded leaves (master shards, ``tx`` state that scales with them) are split over the
         data axis; the rest (step counts) is replicated. A restore target for orbax.
         """
-        mesh, n = self.sync.mesh, self.sync.axis_size
-        split, whole = NamedSharding(mesh, _shard_spec(self.sync)), NamedSharding(mesh, P())
+        mesh, n, plan = self.sync.mesh, self._plan.axis_size, self._plan
+        whole = NamedSharding(mesh, P())
         master = tuple(
-            jax.ShapeDtypeStruct((size,), jnp.float32, sharding=split) for size in self.sync.bucket_sizes
+            jax.ShapeDtypeStruct(p.global_shape(n), jnp.float32, sharding=NamedSharding(mesh, p.spec))
+            for p in plan.pieces
         )
         local, sharded = self._inner_sharding
         leaves, treedef = jax.tree.flatten(local)
         inner = [
-            jax.ShapeDtypeStruct((leaf.shape[0] * n, *leaf.shape[1:]), leaf.dtype, sharding=split)
+            jax.ShapeDtypeStruct((*leaf.shape[:-1], leaf.shape[-1] * n), leaf.dtype,
+                                 sharding=NamedSharding(mesh, plan.state_spec(len(leaf.shape))))
             if is_sharded else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=whole)
             for leaf, is_sharded in zip(leaves, sharded)
         ]
@@ -534,15 +680,13 @@ class DistributedOptimizer:
             >>> opt.memory_summary()  # doctest: +SKIP
             {'distributed': 1245184, 'replicated': 9830412, 'ratio': 0.1267}
         """
-        n = self.sync.axis_size
+        n = self._plan.axis_size
         distributed = 0
         for leaf in jax.tree.leaves(self.abstract_state()):
             nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-            distributed += nbytes // n if leaf.sharding.spec == _shard_spec(self.sync) else nbytes
-        params32 = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
-            _FlatView(self.sync.layout, self.axis, False).abstract_params(),
-        )
+            split = any(entry is not None for entry in leaf.sharding.spec)
+            distributed += nbytes // n if split else nbytes
+        params32 = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), self._plan.params)
         replicated_state = jax.eval_shape(self.tx.init, params32)
         replicated = sum(
             math.prod(x.shape) * np.dtype(x.dtype).itemsize
@@ -551,16 +695,19 @@ class DistributedOptimizer:
         return {"distributed": distributed, "replicated": replicated, "ratio": round(distributed / replicated, 4)}
 
     # -- internals --------------------------------------------------------------------------
+    def _view(self, inside_shard_map: bool) -> _FlatView:
+        return _FlatView(self._plan.pieces, self._plan.params, self.axis, inside_shard_map)
+
     def _init_inner(self, master: Sequence[Any], inside_shard_map: bool) -> PyTree:
-        view = _FlatView(self.sync.layout, self.axis, inside_shard_map)
         try:
-            with _flat_view(view):
+            with _flat_view(self._view(inside_shard_map)):
                 return self.tx.init(tuple(master))
         except (ValueError, TypeError) as e:
             raise ValueError(
                 f"tx.init failed on the flat master shards ({type(e).__name__}: {e}).\n"
-                "Under a DistributedOptimizer tx sees a tuple of 1-D float32 shards, one per "
-                "bucket, not the parameter tree. Masks or labels over the parameter tree "
+                "Under a DistributedOptimizer tx sees a tuple of float32 shards, one per "
+                "bucket (1-D, or [num_layers, shard] for a ScanGradSync's layer buckets), not the "
+                "parameter tree. Masks or labels over the parameter tree "
                 "(optax.masked, optax.adamw(mask=...), optax.multi_transform) cannot match it: "
                 "use jax_drain.masked(inner, mask) with the same mask instead."
             ) from e
@@ -568,9 +715,12 @@ class DistributedOptimizer:
     @functools.cached_property
     def _inner_sharding(self) -> tuple[PyTree, list[bool]]:
         # A tx state leaf is sharded iff its shape follows the shards': evaluate init at two
-        # shard sizes and see which leaves double along their first dimension.
+        # shard sizes and see which leaves double along their last dimension (the split one).
         def shapes(scale: int) -> PyTree:
-            shards = tuple(jax.ShapeDtypeStruct((n * scale,), jnp.float32) for n in self.sync.shard_sizes)
+            shards = tuple(
+                jax.ShapeDtypeStruct((*p.local_shape[:-1], p.size * scale), jnp.float32)
+                for p in self._plan.pieces
+            )
             return jax.eval_shape(lambda m: self._init_inner(m, inside_shard_map=False), shards)
 
         one, two = shapes(1), shapes(2)
@@ -579,7 +729,7 @@ class DistributedOptimizer:
         for path, a, b in zip(paths, jax.tree.leaves(one), jax.tree.leaves(two)):
             if a.shape == b.shape:
                 sharded.append(False)
-            elif len(a.shape) >= 1 and b.shape == (2 * a.shape[0], *a.shape[1:]):
+            elif len(a.shape) >= 1 and b.shape == (*a.shape[:-1], 2 * a.shape[-1]):
                 sharded.append(True)
             else:
                 raise ValueError(
@@ -606,15 +756,18 @@ class DistributedOptimizer:
         if state.fingerprint != self.fingerprint:
             raise ValueError(_layout_mismatch(state.fingerprint, self.fingerprint))
         shapes = [tuple(m.shape) for m in state.master]
-        if shapes != [(n,) for n in self.sync.shard_sizes]:
-            raise ValueError(
-                f"master shards have shapes {shapes}, this optimizer's shards are "
-                f"{[(n,) for n in self.sync.shard_sizes]} per device"
-            )
+        want = [p.local_shape for p in self._plan.pieces]
+        if shapes != want:
+            raise ValueError(f"master shards have shapes {shapes}, this optimizer's shards are {want} per device")
 
-    def _check_grads(self, grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        grads = tuple(grads)
-        want = [(n,) for n in self.sync.shard_sizes]
+    def _check_grads(self, grads: Sequence[jax.Array] | ScanShards) -> tuple[jax.Array, ...]:
+        if isinstance(self.sync, ScanGradSync) and not isinstance(grads, ScanShards):
+            raise TypeError(
+                f"a ScanGradSync's optimizer takes the ScanShards from sync.value_and_grad / "
+                f"sync.reduce_scatter, got {type(grads).__name__}"
+            )
+        grads = self._plan.flat(grads)
+        want = [p.local_shape for p in self._plan.pieces]
         got = [tuple(g.shape) for g in grads]
         if got != want:
             raise ValueError(
@@ -639,10 +792,12 @@ class DistributedOptimizer:
     def _zero_padding(self, updates: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         # Padding elements get zero gradients, so element-wise transforms keep them at zero
         # already; this also holds for transforms that add something (noise, constants).
+        # A layer shard's rows share one [size] condition (broadcast).
         out = []
-        for bucket, u, n in zip(self.sync.layout.buckets, updates, self.sync.shard_sizes):
+        for piece, u in zip(self._plan.pieces, updates):
+            bucket = piece.layout.buckets[piece.bucket]
             if bucket.padding:
-                u = jnp.where(_shard_indices(self.axis, n) < bucket.num_elements, u, jnp.zeros_like(u))
+                u = jnp.where(_shard_indices(self.axis, piece.size) < bucket.num_elements, u, jnp.zeros_like(u))
             out.append(u)
         return tuple(out)
 

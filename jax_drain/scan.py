@@ -63,9 +63,12 @@ be lost. The scan may sit inside ``jit``-ed functions. The rewrite reads the tra
 wrapper that hands the stacked leaves to ``jax.lax.scan`` as ``xs`` is seen the same way (tested:
 ``nnx.scan`` and plain ``jax.lax.scan``).
 
-Optimizer: :meth:`ScanGradSync.init_master` and :meth:`ScanGradSync.gather_params` give a
-ZeRO-1 step with any element-wise optax transform applied to the :class:`ScanShards` directly
-(:class:`~jax_drain.DistributedOptimizer` takes a flat :class:`~jax_drain.GradSync` layout only).
+Optimizer: :class:`~jax_drain.DistributedOptimizer` takes a ScanGradSync as its ``sync``
+(fp32 master shards in this layout, ``jax_drain.masked`` / ``jax_drain.clip_by_global_norm``
+over every layer's rows), and ``jax_drain.TrainConfig(scan_layers=True)`` builds the whole
+step. :meth:`ScanGradSync.init_master` and :meth:`ScanGradSync.gather_params` are the minimal
+ZeRO-1 helpers it builds on: any element-wise optax transform applied to the
+:class:`ScanShards` directly.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket, check_mode, reduce_scatter_bucket
-from jax_drain.drain import check_max_in_flight, sequenced_map
+from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.layout import BucketLayout, leaf_paths
 from jax_drain.sync import SCOPE_PREFIX, GradSync
 
@@ -167,10 +170,7 @@ class ScanGradSync:
         self.reduce = check_mode(reduce)
         self.average = bool(average)
         self.drain = bool(drain)
-        max_in_flight = check_max_in_flight(max_in_flight)
-        if max_in_flight is not None and not drain:
-            raise ValueError("max_in_flight bounds the drain chain; it needs drain=True")
-        self.max_in_flight = (1 if max_in_flight is None else max_in_flight) if drain else None
+        self.max_in_flight = drain_depth(drain, max_in_flight)
 
         leaves, self._treedef = jax.tree.flatten(params)
         self._paths = leaf_paths(params)
@@ -291,6 +291,15 @@ class ScanGradSync:
         stacked = jax.tree.leaves(jax.vmap(self.layer_layout.unflatten)(layers))
         rest_leaves = [] if self.rest_sync is None else jax.tree.leaves(self.rest_sync.unflatten(rest))
         return self._merge(stacked, rest_leaves)
+
+    def check_tree(self, tree: PyTree, what: str = "tree") -> None:
+        """Raises unless ``tree`` has the params' structure, shapes and dtypes (naming the leaf).
+
+        Example::
+
+            sync.check_tree(params, what="params")
+        """
+        self._check_tree(tree, what)
 
     def table(self) -> str:
         """One layer's bucket layout and the other leaves' layout, as readable tables."""

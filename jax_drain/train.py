@@ -21,6 +21,14 @@ Example (``flax.nnx``)::
         state, loss = step(state, batch)
     step.update_model(model, state)       # copy the trained parameters back into the model
 
+Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block parameters): pass
+``TrainConfig(scan_layers=True)`` and an ``example_batch``; the stacked leaves are found from
+the loss (:func:`jax_drain.stacked_leaves`) and a :class:`~jax_drain.ScanGradSync`
+reduce-scatters each layer's gradient inside the backward scan::
+
+    step = jd.make_train_step(scanned_model, lambda m, b: m.loss(b), tx, mesh,
+                              jd.TrainConfig(scan_layers=True, microbatches=2), example_batch=first_batch)
+
 For ``flax.linen`` (or plain functions) pass the params pytree and ``loss_fn(params, batch)``::
 
     step = jd.make_train_step(variables["params"],
@@ -44,6 +52,7 @@ from jax_drain import _compat
 from jax_drain.layout import leaf_paths
 from jax_drain.optimizer import DistributedOptimizer, DistState, _layout_mismatch
 from jax_drain.order import grad_ready_order
+from jax_drain.scan import ScanGradSync, stacked_leaves
 from jax_drain.sync import GradSync, local_params
 
 PyTree = Any
@@ -59,7 +68,15 @@ class TrainConfig:
         microbatches: local gradient accumulation steps per optimizer step; the per-device batch
             is split into this many equal micro-batches and the buckets are synced once.
         accum_dtype: dtype of the local gradient accumulator (``None``: the gradients' own dtype,
-            e.g. bf16). The mean gradient is cast to the parameter dtype before the sync.
+            e.g. bf16). The mean gradient is cast to the parameter dtype before the sync. Not
+            used with ``scan_layers``: there the float32 shards are accumulated.
+        scan_layers: ``True``: the model runs its blocks under a scan over stacked parameters;
+            use a :class:`~jax_drain.ScanGradSync` (needs ``example_batch`` to find the stacked
+            leaves). With ``microbatches=k`` every micro-batch is reduce-scattered inside its
+            own backward scan and the float32 shards are accumulated (``k`` syncs per step;
+            see :mod:`jax_drain.scan`). ``None``: do so iff the loss scans over parameters
+            (traced from ``example_batch``; without one, ``False``). ``False``: a
+            :class:`~jax_drain.GradSync` over whole leaves.
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
@@ -78,8 +95,11 @@ class TrainConfig:
     accum_dtype: Any = jnp.float32
     gather_max_in_flight: int | str | None = "sync"
     donate: bool = True
+    scan_layers: bool | None = False
 
     def __post_init__(self) -> None:
+        if self.scan_layers not in (True, False, None):
+            raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         k = self.microbatches
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {k!r}")
@@ -101,7 +121,8 @@ class TrainState(NamedTuple):
 class TrainStep:
     """The jitted step built by :func:`make_train_step`; call it as ``step(state, batch)``.
 
-    Attributes: ``sync`` (:class:`~jax_drain.GradSync`), ``optimizer``
+    Attributes: ``sync`` (:class:`~jax_drain.GradSync`, or :class:`~jax_drain.ScanGradSync`
+    for a scanned model), ``optimizer``
     (:class:`~jax_drain.DistributedOptimizer`), ``mesh``, ``config``.
     """
 
@@ -125,17 +146,24 @@ class TrainStep:
         if config.axis not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {config.axis!r}; its axes are {tuple(mesh.axis_names)}")
         self.axis_size = int(mesh.shape[config.axis])
-        order = None
+        order, micro = None, None
         if example_batch is not None:
             micro = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((self._local_examples(x) // config.microbatches, *np.shape(x)[1:]), x.dtype),
                 self._check_batch(example_batch),
             )
             order = grad_ready_order(lambda p, b: loss(p, rest, b), self._abstract_params, micro)
-        self.sync = GradSync(
-            params, mesh, axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce,
-            drain=config.drain, max_in_flight=config.max_in_flight, order=order,
+        stacked = self._find_stacked(micro)
+        sync_kwargs = dict(
+            axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
+            max_in_flight=config.max_in_flight, order=order,
         )
+        #: True iff the step uses a :class:`~jax_drain.ScanGradSync`.
+        self.scan_layers = stacked is not None
+        if self.scan_layers:
+            self.sync = ScanGradSync(params, mesh, stacked=stacked, **sync_kwargs)
+        else:
+            self.sync = GradSync(params, mesh, **sync_kwargs)
         self.optimizer = DistributedOptimizer(tx, self.sync, gather_max_in_flight=config.gather_max_in_flight)
         specs = self.optimizer.state_specs()
         sharded = _compat.shard_map(
@@ -162,7 +190,10 @@ class TrainStep:
             params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             raise ValueError("init needs concrete parameters; this step was built from abstract ones")
-        self.sync.layout.check_tree(params, what="params")
+        if self.scan_layers:
+            self.sync.check_tree(params, what="params")
+        else:
+            self.sync.layout.check_tree(params, what="params")
         # A copy, never an alias: the step donates its input state, which must not delete the
         # caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even
         # with may_alias=False when it reshards; a jitted copy never does.)
@@ -206,6 +237,13 @@ class TrainStep:
 
     # -- inside shard_map -------------------------------------------------------------------
     def _sharded_step(self, params: PyTree, opt_state: DistState, rest: PyTree, batch: PyTree):
+        if self.scan_layers:
+            # Closes over `rest`: value_and_grad splits every argument after params into
+            # micro-batches, and the non-param model state must not be split.
+            loss_fn = lambda p, b: self._loss(p, rest, b).astype(jnp.float32)
+            loss, shards = self.sync.value_and_grad(loss_fn, microbatches=self.config.microbatches)(params, batch)
+            params, opt_state = self.optimizer.update(shards, opt_state)
+            return params, opt_state, loss
         loss, grads = self._local_value_and_grad(params, rest, batch)
         shards = self.sync.reduce_scatter(grads)
         loss = jax.lax.pmean(loss, self.config.axis)
@@ -236,6 +274,30 @@ class TrainStep:
         # Mean in the accumulator's precision, then the parameter dtype the buckets expect.
         grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
         return total / k, grads
+
+    # -- construction -----------------------------------------------------------------------
+    def _find_stacked(self, micro: PyTree | None) -> PyTree | None:
+        """The stacked-leaf mask for a ScanGradSync, or ``None`` for a GradSync (config.scan_layers)."""
+        wanted = self.config.scan_layers
+        if wanted is False:
+            return None
+        if micro is None:
+            if wanted is None:
+                return None
+            raise ValueError(
+                "TrainConfig(scan_layers=True) finds the stacked layer parameters by tracing the "
+                "loss: pass example_batch=... to make_train_step"
+            )
+        mask = stacked_leaves(lambda p, b: self._loss(p, self._rest, b), self._abstract_params, micro)
+        if not any(jax.tree.leaves(mask)):
+            if wanted is None:
+                return None
+            raise ValueError(
+                "TrainConfig(scan_layers=True), but the loss runs no jax.lax.scan / nnx.scan over "
+                "parameters (for jax_drain.models.GPT: GPTConfig(scan_layers=True)); use "
+                "scan_layers=False for an unrolled model"
+            )
+        return mask
 
     # -- checks -----------------------------------------------------------------------------
     def _local_examples(self, x: Any) -> int:

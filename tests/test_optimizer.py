@@ -340,3 +340,108 @@ def test_misuse_is_refused(data):
         jd.DistributedOptimizer(lambda g: g, sync)
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
         jd.DistributedOptimizer(optax.adam(1e-3), sync, gather_max_in_flight=0)
+
+
+# -- a ScanGradSync's shards: [num_layers, shard] layer buckets next to the 1-D rest buckets -----
+
+SCAN_TEMPLATE = {
+    "embed": jax.ShapeDtypeStruct((50, 24), jnp.float32),
+    "blocks": {  # stacked over 3 layers: one layer slice is 24*40 + 40 + 40 elements
+        "w": jax.ShapeDtypeStruct((3, 24, 40), jnp.float32),
+        "b": jax.ShapeDtypeStruct((3, 40), jnp.float32),
+        "scale": jax.ShapeDtypeStruct((3, 40), jnp.float32),
+    },
+    "head": jax.ShapeDtypeStruct((24, 7), jnp.float32),
+}
+# ndim > 1 would mark the stacked biases too: name the decayed leaves instead.
+SCAN_DECAY = {"embed": False, "blocks": {"w": True, "b": False, "scale": False}, "head": True}
+SCAN_TRANSFORMS = {
+    "adamw_masked_clipped": lambda: optax.chain(
+        jd.clip_by_global_norm(1.0),
+        optax.scale_by_adam(b1=0.9, b2=0.95),
+        jd.masked(optax.add_decayed_weights(0.1), SCAN_DECAY),
+        optax.scale_by_learning_rate(optax.linear_schedule(0.01, 0.001, 3)),
+    ),
+    "padding_polluter": TRANSFORMS["padding_polluter"],
+}
+
+
+def _run_scan(tx, params, grads, bucket_size=1000):
+    # 1000: one layer's w + scale share a bucket (decayed and not), b gets its own; embed + head
+    # (decayed and not) share the one rest bucket.
+    mesh = data_mesh(8)
+    sync = jd.ScanGradSync(params, mesh, stacked=lambda path: path.startswith("blocks/"), bucket_size=bucket_size)
+    opt = jd.DistributedOptimizer(tx, sync)
+    specs = opt.state_specs()
+
+    def step(params, state, stacked_grads):
+        shards = sync.reduce_scatter(jd.local_params(jax.tree.map(lambda g: g[0], stacked_grads), "data"))
+        return opt.update(shards, state)
+
+    step = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)))
+    state, history = opt.init_sharded(params), []
+    for g in grads:
+        params, state = step(params, state, g)
+        history.append((params, state))
+    return opt, history
+
+
+@pytest.fixture(scope="module")
+def scan_data():
+    rng = np.random.default_rng(1)
+    params = random_tree(rng, SCAN_TEMPLATE)
+    return params, [random_tree(rng, SCAN_TEMPLATE, leading=(8,)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", sorted(SCAN_TRANSFORMS))
+def test_scan_sync_matches_replicated_optax(name, scan_data):
+    """Masks inside a layer bucket (w decayed, b/scale not), an active clip whose norm spans every
+    layer's rows and the rest buckets, padding: all as plain optax on the replicated tree."""
+    params, grads = scan_data
+    opt, history = _run_scan(SCAN_TRANSFORMS[name](), params, grads)
+    sync = opt.sync
+    assert sync.layer_bucket_sizes == (1024, 128) and sync.rest_bucket_sizes == (1408,)
+    assert [m.shape for m in history[0][1].master[:2]] == [(3, b) for b in sync.layer_bucket_sizes]
+    reference = _reference(SCAN_TRANSFORMS[name](), params, grads)
+    for (got, state), want in zip(history, reference):
+        for g, m, w in zip(jax.tree.leaves(got), jax.tree.leaves(opt.unflatten_master(state.master)),
+                           jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(m))  # float32 params: the master
+    # Padding of every shard (the layer buckets' in every row) stays zero.
+    pieces = opt._plan.pieces
+    for piece, master in zip(pieces, history[-1][1].master):
+        bucket = piece.layout.buckets[piece.bucket]
+        np.testing.assert_array_equal(np.asarray(master)[..., bucket.num_elements:], 0.0)
+    assert any(p.layout.buckets[p.bucket].padding and p.rows for p in pieces)
+
+
+def test_scan_sync_masks_and_clip_act(scan_data):
+    """The parity above compares live effects: clipping is active and the mask splits a layer bucket."""
+    params, grads = scan_data
+    assert all(float(optax.tree.norm(_mean(g))) > 5.0 for g in grads)
+    masked = _reference(SCAN_TRANSFORMS["adamw_masked_clipped"](), params, grads[:1])[0]
+    plain = _reference(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)), params, grads[:1])[0]
+    assert np.max(np.abs(masked["blocks"]["w"] - plain["blocks"]["w"])) > 1e-5  # decayed
+    np.testing.assert_allclose(masked["blocks"]["b"], plain["blocks"]["b"], atol=1e-6)  # not decayed (1e-3 if it were)
+
+
+def test_scan_sync_state_layout(scan_data):
+    params, _ = scan_data
+    sync = jd.ScanGradSync(params, data_mesh(8), stacked={"blocks": True, "embed": False, "head": False},
+                           bucket_size=500)
+    opt = jd.DistributedOptimizer(optax.adam(1e-3), sync)
+    state = opt.init_sharded(params)
+    specs = opt.state_specs()
+    num_layer = len(sync.layer_bucket_sizes)
+    assert specs.master == (P(None, "data"),) * num_layer + (P("data"),) * len(sync.rest_bucket_sizes)
+    assert opt.check_state(state) is state
+    for m, p in zip(jax.tree.leaves(opt.unflatten_master(state.master)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(m, p)
+    summary = opt.memory_summary()
+    assert 1 / 8 <= summary["ratio"] < 1 / 8 * 1.2  # padding + the step count only
+    # Another layer count, or the same leaves under a GradSync, is another layout.
+    flat = jd.DistributedOptimizer(optax.adam(1e-3), jd.GradSync(params, data_mesh(8), bucket_size=500))
+    assert flat.fingerprint != opt.fingerprint
+    with pytest.raises(ValueError, match="different bucket layout"):
+        opt.check_state(flat.init_sharded(params))
