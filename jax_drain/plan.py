@@ -49,6 +49,7 @@ from jax_drain.drain import sequenced_map
 from jax_drain.gpu_targets import gpu_mesh, parse_topology
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order
+from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
 from jax_drain.schedule import Collective, Schedule, parse_schedule
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
 
@@ -58,10 +59,13 @@ BASELINES = ("gspmd", "gspmd+flags", "no_comm")
 
 _BUCKET_SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"/bucket(\d+)")
 
-#: Bucket chains of a :class:`GradSync` and the named scope each one's buckets run under.
-CHAIN_SCOPES = {"dense": SCOPE_PREFIX, "expert": EXPERT_SCOPE}
+#: Bucket chains of a :class:`GradSync` (dense, expert) or a :class:`ScanGradSync` (the
+#: per-layer buckets inside the backward scan) and the named scope each one's buckets run under.
+CHAIN_SCOPES = {"dense": SCOPE_PREFIX, "expert": EXPERT_SCOPE, "layers": LAYER_SCOPE}
+_CHAIN_OF_SUBSCOPE = {scope.removeprefix(SCOPE_PREFIX + "/"): chain
+                      for chain, scope in CHAIN_SCOPES.items() if scope != SCOPE_PREFIX}
 _CHAIN_BUCKET = re.compile(
-    re.escape(SCOPE_PREFIX) + "/(?:(" + re.escape(EXPERT_SCOPE.removeprefix(SCOPE_PREFIX + "/")) + r")/)?bucket(\d+)"
+    re.escape(SCOPE_PREFIX) + "/(?:(" + "|".join(map(re.escape, _CHAIN_OF_SUBSCOPE)) + r")/)?bucket(\d+)"
 )
 
 #: (chain, bucket index) that a collective carries, e.g. ``("expert", 0)``.
@@ -274,7 +278,7 @@ def collective_buckets(sched: Schedule, c: Collective) -> tuple[BucketRef, ...]:
         >>> collective_buckets(sched, merged)  # doctest: +SKIP
         (('dense', 5), ('expert', 0))
     """
-    refs = {("expert" if m.group(1) else "dense", int(m.group(2)))
+    refs = {(_CHAIN_OF_SUBSCOPE.get(m.group(1), "dense"), int(m.group(2)))
             for name in sched.op_names_of(c) if (m := _CHAIN_BUCKET.search(name))}
     return tuple(sorted(refs))
 
@@ -434,9 +438,15 @@ def build_step(
     axis: str = "data",
     bucket_size: int | None = None,
     micro_batch: int = 1,
-) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | None]:
+) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
     """A jitted gradient step for ``config`` on ``mesh`` with ``strategy``, its abstract inputs
-    (params, batch) and its :class:`GradSync` (``None`` for baselines)."""
+    (params, batch) and its sync (``None`` for baselines).
+
+    A scanned preset (``config.scan_layers``) syncs with :class:`ScanGradSync`: each layer's
+    buckets are reduce-scattered inside the backward scan. Its ``no_comm`` floor keeps the
+    stacked gradients and reduces their buckets locally, as the scanned model without
+    jax_drain's in-scan sync would have to.
+    """
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
     params = models.abstract_params(config)
     batch = models.example_batch(config, micro_batch * mesh.shape[axis])
@@ -452,10 +462,20 @@ def build_step(
         )
         return step, (params, batch), None
 
+    drain = strategy.max_in_flight is not None
+    if config.scan_layers and strategy.name != "no_comm":
+        scan_sync = ScanGradSync(
+            params, mesh, axis=axis, stacked=stacked_leaves(loss_fn, params, batch), bucket_size=bucket_size,
+            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight,
+        )
+        step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
+                                         out_specs=(P(), scan_sync.shard_specs())))
+        return step, (params, batch), scan_sync
+
     order = grad_ready_order(loss_fn, params, batch)
     sync = GradSync(
         params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
-        drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight, order=order,
+        drain=drain, max_in_flight=strategy.max_in_flight, order=order,
     )
     if strategy.name == "no_comm":
         def local_step(p, b):
@@ -622,9 +642,15 @@ def plan_preset(
     return plan(
         step, *args, target=target, topology=topology, compiler_options=options or None,
         scope=None if sync is None else SCOPE_PREFIX,
-        strategy=strat.name, num_buckets=None if sync is None else sync.num_buckets,
+        strategy=strat.name, num_buckets=_num_buckets(sync),
         bucket_size=bucket_size, notes=tuple(notes),
     )
+
+
+def _num_buckets(sync: GradSync | ScanGradSync | None) -> int | None:
+    if isinstance(sync, ScanGradSync):  # every layer's buckets are buckets of their own
+        return sync.num_layers * len(sync.layer_bucket_sizes) + len(sync.rest_bucket_sizes)
+    return None if sync is None else sync.num_buckets
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -651,6 +677,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, help="override the preset's model width")
     p.add_argument("--heads", type=int, help="override the preset's attention heads")
     p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks under nnx.scan; the sync reduce-scatters inside the backward scan")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per device")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option, e.g. xla_gpu_experimental_parallel_collective_overlap_limit=2")
@@ -660,11 +688,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def preset_config(name: str, layers: int | None = None, d_model: int | None = None,
-                  heads: int | None = None, seq: int | None = None) -> models.GPTConfig:
-    """A preset with optional overrides of its size."""
+                  heads: int | None = None, seq: int | None = None,
+                  scan_layers: bool | None = None) -> models.GPTConfig:
+    """A preset with optional overrides of its size (and of whether its blocks are scanned)."""
     config = models.preset(name)
     changes = {k: v for k, v in (("num_layers", layers), ("d_model", d_model), ("num_heads", heads),
-                                 ("seq_len", seq)) if v is not None}
+                                 ("seq_len", seq), ("scan_layers", scan_layers)) if v is not None}
     return dataclasses.replace(config, **changes)
 
 
@@ -674,7 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.step:
             report = _plan_user_step(args.step, args.target, args.topology, _xla_options(args.xla_option))
         else:
-            config = preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq)
+            config = preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq,
+                                   args.scan_layers or None)
             report = plan_preset(
                 config, args.strategy, args.target, args.topology, bucket_size=args.bucket_size,
                 num_buckets=None if args.bucket_size else args.num_buckets, micro_batch=args.micro_batch,

@@ -157,3 +157,16 @@ def test_planner_bounds_each_bucket_chain(expert_reports):
     _, undrained = expert_reports[False]
     assert undrained.chains_in_flight["dense"] > 1 and undrained.chains_in_flight["expert"] > 1
     assert undrained.buckets_in_flight == max(undrained.chains_in_flight.values())
+
+
+def test_scanned_preset_syncs_inside_the_backward_scan():
+    config = plan.preset_config("tiny", layers=2, d_model=256, scan_layers=True)
+    in_scan = plan.plan_preset(config, "fp32_accum+drain", num_buckets=4)
+    floor = plan.plan_preset(config, "no_comm", num_buckets=4)
+    chains = {chain: [c for c, refs in zip(in_scan.collectives, in_scan.collective_buckets) if refs[0][0] == chain]
+              for chain in ("layers", "dense")}
+    (final_norm,) = chains["dense"]  # the non-stacked leaves, after the scan, in ENTRY
+    assert len(chains["layers"]) == 2  # one per layer bucket, inside the loop body
+    assert all(c.computation != final_norm.computation for c in chains["layers"])
+    assert in_scan.chains_in_flight.get("layers") == 1
+    assert in_scan.temp_bytes < floor.temp_bytes  # below the stacked gradients' floor
