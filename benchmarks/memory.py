@@ -150,25 +150,31 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     presets = list(dict.fromkeys(r["preset"] for r in rows))
-    fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets), 4.5), squeeze=False)
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    cmap = plt.get_cmap("tab20")
+    color = {s: cmap(i % 20) for i, s in enumerate(strategies)}  # one colour per strategy, all panels
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets) + 2, 4.5), squeeze=False)
+    handles = {}
     for ax, preset in zip(axes[0], presets):
         mine = [r for r in rows if r["preset"] == preset]
         for s in dict.fromkeys(r["strategy"] for r in mine):
             pts = sorted((r["num_buckets"] or r["requested_buckets"], r["temp_bytes"] / 2**20)
                          for r in mine if r["strategy"] == s)
             if s == "gspmd":
-                ax.axhline(pts[0][1], color="black", ls=":", lw=1.2, label=s)
+                handles[s] = ax.axhline(pts[0][1], color="black", ls=":", lw=1.2, label=s)
                 continue
             style = "-" if "drain" in s else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, lw=1.2, label=s)
+            (handles[s],) = ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
+                                    lw=1.2, color=color[s], label=s)
         ax.set_xscale("log")
         ax.set_xlabel("real buckets")
         ax.set_ylabel("XLA temp MiB per device")
-        ax.set_title(f"{preset}: one step on 8x H100 (compile-only)")
+        ax.set_title(f"{preset}: one step on 8x H100 (compile-only)", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.legend([handles[s] for s in strategies if s in handles], [s for s in strategies if s in handles],
+               fontsize=7, loc="center right")
+    fig.subplots_adjust(right=0.85)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
