@@ -8,7 +8,8 @@ instead of checking versions itself.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+import contextlib
+from typing import Any, Hashable, Iterator
 
 import jax
 
@@ -76,3 +77,24 @@ def bound_axis_sizes() -> dict:
     if get_env is None:  # pragma: no cover - older jax
         return {}
     return dict(get_env().axis_sizes)
+
+
+def bind_eqn(eqn: Any, invals: list) -> Any:
+    """Re-binds a jaxpr equation's primitive to new inputs, as ``jax.core.eval_jaxpr`` does."""
+    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+
+@contextlib.contextmanager
+def eqn_context(eqn: Any) -> Iterator[None]:
+    """Re-binds under an equation's own name stack and context (as ``eval_jaxpr`` does), so op
+    names -- and the ``named_scope``s the planner reads -- survive a jaxpr replay."""
+    try:
+        from jax._src import source_info_util  # private; only for names, so optional
+    except ImportError:  # pragma: no cover - a jax without it
+        yield
+        return
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    ctx = getattr(eqn, "ctx", None)
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with (ctx.manager if ctx is not None else contextlib.nullcontext()):
+            yield

@@ -73,7 +73,6 @@ ZeRO-1 helpers it builds on: any element-wise optax transform applied to the
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -636,11 +635,11 @@ class _ScanRewriter:
             invals = [read(v) for v in eqn.invars]
             hits = [(k, tracked[v]) for k, v in enumerate(eqn.invars)
                     if not isinstance(v, _compat.Literal) and v in tracked]
-            with _eqn_context(eqn):
+            with _compat.eqn_context(eqn):
                 if hits:
                     outs = self._rewrite(eqn, invals, hits, tracked)
                 else:
-                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                    outs = _compat.bind_eqn(eqn, invals)
                     outs = outs if eqn.primitive.multiple_results else [outs]
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
@@ -744,22 +743,6 @@ def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             inner = getattr(inner, "jaxpr", inner)
             _find_scanned(inner, {inner.invars[k]: i for k, i in operands}, found)
-
-
-@contextlib.contextmanager
-def _eqn_context(eqn: Any):
-    """Re-binds an equation under its own name stack and context, as ``jax.core.eval_jaxpr``
-    does, so op names (and the ``named_scope``s the planner reads) survive the replay."""
-    try:
-        from jax._src import source_info_util  # private; only for names, so optional
-    except ImportError:  # pragma: no cover - a jax without it
-        yield
-        return
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    ctx = getattr(eqn, "ctx", None)
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        with (ctx.manager if ctx is not None else contextlib.nullcontext()):
-            yield
 
 
 # -- small helpers -------------------------------------------------------------------------------
