@@ -73,3 +73,18 @@ def test_train_gpt_scan_layers_matches_unrolled(train_gpt, tmp_path):
     scanned = train_gpt.main([*args, "--scan-layers", "--out", str(tmp_path / "scan")])
     np.testing.assert_allclose(scanned, unrolled, rtol=1e-4)
     assert scanned[-1] < scanned[0]
+
+
+def test_quickstart_runs_and_its_shards_are_the_mean_gradient(capsys):
+    """examples/quickstart.py is the README's example: it must run and be right."""
+    import jax
+
+    quickstart = _load("quickstart")
+    out = capsys.readouterr().out
+    assert "bucket" in out and f"{quickstart.sync.num_buckets} buckets" in out
+    # The mean over devices of each device's local gradient: with equal local batches, the
+    # gradient of the mean loss over the global batch.
+    want = jax.grad(quickstart.loss_fn)(quickstart.params, quickstart.batch)
+    got = quickstart.mean_grads
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
