@@ -98,3 +98,15 @@ def eqn_context(eqn: Any) -> Iterator[None]:
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
         with (ctx.manager if ctx is not None else contextlib.nullcontext()):
             yield
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's flat inputs (consts, carry, xs).
+
+    jax <= 0.11 stores the counts; jax 0.12 stores ``ft_in``, a flat tree of
+    ``(consts, carry, xs)`` whose parts have one leaf per flat input.
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -673,7 +673,7 @@ class _ScanRewriter:
     def _scan(self, eqn: Any, invals: list, hits: list) -> list:
         paths = self.sync.stacked_paths
         params = eqn.params
-        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        num_consts, num_carry = _compat.scan_counts(params)
         first_xs = num_consts + num_carry
         if self.found:
             raise ValueError(
@@ -737,7 +737,7 @@ def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
         if not operands:
             continue
         if name == "scan":
-            first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+            first_xs = sum(_compat.scan_counts(eqn.params))
             found.update(i for k, i in operands if k >= first_xs)
         elif name in _INLINE_CALLS:
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))

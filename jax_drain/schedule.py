@@ -105,6 +105,7 @@ _CALLED_RE = re.compile(
 )
 _OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
 _IS_SYNC_RE = re.compile(r'"is_sync"\s*:\s*(true|false)')
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA_GROUPS_RE = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=")
 _LIST_GROUPS_RE = re.compile(r"\breplica_groups=\{\{([\d,\s]+)\}")
 
@@ -224,8 +225,9 @@ def expand_op_name(op_name: str) -> tuple[str, ...]:
 
 def replica_group_size(attributes: str) -> int | None:
     """Devices per replica group of a collective, from its attributes: the list form
-    ``replica_groups={{0,1},{2,3}}`` or the iota form ``replica_groups=[G,S]<=[...]``; ``None``
-    when the groups are empty (every device) or absent.
+    ``replica_groups={{0,1},{2,3}}``, the iota form ``replica_groups=[G,S]<=[...]`` or the mesh
+    form of newer XLA ``replica_groups=mesh['data'=4,'model'=2] {'data'}``; ``None`` when the
+    groups are empty (every device) or absent.
 
     Example::
 
@@ -233,7 +235,12 @@ def replica_group_size(attributes: str) -> int | None:
         2
         >>> replica_group_size("replica_groups={{0,1,2,3},{4,5,6,7}}")
         4
+        >>> replica_group_size("replica_groups=mesh['replica'=2,'data'=4] {'data'}, dimensions={0}")
+        4
     """
+    if m := _MESH_GROUPS_RE.search(attributes):
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", m.group(2)) if name in sizes)
     if m := _IOTA_GROUPS_RE.search(attributes):
         return int(m.group(2))
     if m := _LIST_GROUPS_RE.search(attributes):

@@ -436,13 +436,15 @@ def chain_collectives(sched, scope: str, layout, shard_sizes, inner_group: int):
     """Per bucket: (found, expected) descriptions ``(kind, dtype, bytes, devices per group)``.
     Expected: an all-to-all of the whole bucket in its own dtype over the inner group, then a
     float32 all-reduce of the shard over the 2 hosts. A collective XLA combined across buckets
-    (no op name, see ``Schedule.feeding_op_names``) shows ``"combined"`` for its bytes."""
+    (without an op name, see ``Schedule.feeding_op_names``, or with a combined one, depending on
+    the XLA version) shows ``"combined"`` for its bytes."""
     hlo_dtype = {"bfloat16": "bf16", "float32": "f32"}
     out = []
     for k, (bucket, shard) in enumerate(zip(layout.buckets, shard_sizes)):
         mine = [c for c in sched.collectives if c.computation == sched.entry
                 and (CHAIN[scope], k) in plan.collective_buckets(sched, c)]
-        found = [(c.kind, c.dtype, c.bytes if c.op_names else "combined", c.group_size) for c in mine]
+        found = [(c.kind, c.dtype, c.bytes if len(plan.collective_buckets(sched, c)) == 1 else "combined",
+                  c.group_size) for c in mine]
         expected = [("all-to-all", hlo_dtype[str(bucket.dtype)], bucket.padded_size * bucket.dtype.itemsize, inner_group),
                     ("all-reduce", "f32", shard * 4, 2)]
         out.append((found, expected))

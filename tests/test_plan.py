@@ -141,13 +141,14 @@ def test_planner_bounds_each_bucket_chain(expert_reports):
     assert sync.num_buckets >= 2 and sync.num_expert_buckets >= 2
     assert drained.chains_in_flight == {"dense": 1, "expert": 1} and drained.buckets_in_flight == 1
     # Every bucket of both chains is found: an inner all-to-all and an outer all-reduce each,
-    # where XLA may merge one dense and one expert all-reduce into one collective without a name.
+    # where XLA may merge one dense and one expert all-reduce into one collective (without a
+    # name, or with both names, depending on the XLA version).
     carried = {ref for c in drained.collectives for ref in drained.buckets_of(c)}
     assert carried == {("dense", k) for k in range(sync.num_buckets)} | \
         {("expert", k) for k in range(sync.num_expert_buckets)}
     for c in drained.collectives:
         refs = drained.buckets_of(c)
-        assert refs and (len(refs) == 1 or (c.op_name == "" and c.kind == "all-reduce")), (c, refs)
+        assert refs and (len(refs) == 1 or c.kind == "all-reduce"), (c, refs)
         assert c.group_size == (2 if c.kind == "all-reduce" else 4 if refs[0][0] == "dense" else 2)
     row = drained.to_json()
     assert row["chains_in_flight"] == {"dense": 1, "expert": 1}
