@@ -57,7 +57,6 @@ from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_p
 #: bucket in flight) and ``m+drainK`` (K buckets in flight).
 BASELINES = ("gspmd", "gspmd+flags", "no_comm")
 
-_BUCKET_SCOPE = re.compile(re.escape(SCOPE_PREFIX) + r"/bucket(\d+)")
 
 #: Bucket chains of a :class:`GradSync` (dense, expert) or a :class:`ScanGradSync` (the
 #: per-layer buckets inside the backward scan) and the named scope each one's buckets run under.
@@ -135,9 +134,7 @@ class Plan:
         """
         if self.collective_buckets:
             return self.collective_buckets[self.collectives.index(c)]
-        # A Plan built by hand, without the schedule: named dense buckets only.
-        found = {int(m.group(1)) for n in c.op_names if (m := _BUCKET_SCOPE.search(n))}
-        return tuple(("dense", k) for k in sorted(found))
+        return _named_buckets(c.op_names)  # a Plan built by hand, without the schedule
 
     @property
     def pairs(self) -> int:
@@ -260,12 +257,16 @@ def _pyplot():
     return plt
 
 
+def _named_buckets(op_names: Sequence[str]) -> tuple[BucketRef, ...]:
+    """The (chain, bucket) pairs named by bucket scopes in ``op_names``, sorted."""
+    refs = {(_CHAIN_OF_SUBSCOPE.get(m.group(1), "dense"), int(m.group(2)))
+            for name in op_names if (m := _CHAIN_BUCKET.search(name))}
+    return tuple(sorted(refs))
+
+
 def _bucket_of(c: Collective) -> int | None:
-    """The dense bucket a named collective carries (kept for callers of the one-chain form)."""
-    for name in c.op_names:
-        if m := _BUCKET_SCOPE.search(name):
-            return int(m.group(1))
-    return None
+    """The first dense bucket a named collective carries (the one-chain form)."""
+    return next((k for chain, k in _named_buckets(c.op_names) if chain == "dense"), None)
 
 
 def collective_buckets(sched: Schedule, c: Collective) -> tuple[BucketRef, ...]:
@@ -278,9 +279,7 @@ def collective_buckets(sched: Schedule, c: Collective) -> tuple[BucketRef, ...]:
         >>> collective_buckets(sched, merged)  # doctest: +SKIP
         (('dense', 5), ('expert', 0))
     """
-    refs = {(_CHAIN_OF_SUBSCOPE.get(m.group(1), "dense"), int(m.group(2)))
-            for name in sched.op_names_of(c) if (m := _CHAIN_BUCKET.search(name))}
-    return tuple(sorted(refs))
+    return _named_buckets(sched.op_names_of(c))
 
 
 def bucket_spans(
@@ -387,7 +386,7 @@ def plan(
     sched = parse_schedule(compiled.as_text())
     mine = tuple(c for c in sched.collectives if _is_sync_collective(sched, c, scope))
     buckets_in_flight, chains_in_flight = _in_flight(sched, mine)
-    devices = _step_devices(lowered, compiled)
+    devices = _step_devices(compiled)
     return Plan(
         target=target,
         topology=topology,
@@ -406,7 +405,7 @@ def plan(
     )
 
 
-def _step_devices(lowered: Any, compiled: Any) -> int:
+def _step_devices(compiled: Any) -> int:
     try:
         return len(jax.tree.leaves(compiled.input_shardings)[0].device_set)
     except Exception:  # pragma: no cover - a step without array inputs
