@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jax_drain import _compat
 from jax_drain.layout import leaf_paths
 
 PyTree = Any
@@ -283,3 +284,29 @@ def place_leaves(
             LeafPlacement(path, spec, shape, local_shape(path, shape, spec, mesh), dtype, is_expert, reduce_axes)
         )
     return placements
+
+
+def require_bound_axes(owner: str, mesh: Mesh, axes: Sequence[str], hint: str = "") -> None:
+    """Raises ``ValueError`` unless the enclosing ``shard_map`` binds each of ``axes`` with its
+    size in ``mesh``: ``owner`` (e.g. ``"GradSync.reduce_scatter"``) is called in the wrong place.
+
+    Example::
+
+        >>> require_bound_axes("GradSync.reduce_scatter", mesh, ("data",))  # doctest: +SKIP
+        ValueError: GradSync.reduce_scatter must be called inside jax.shard_map over a mesh with axis 'data' ...
+    """
+    bound = _compat.bound_axis_sizes()
+    unbound = [a for a in axes if a not in bound]
+    if unbound:
+        names = ", ".join(repr(a) for a in unbound)
+        raise ValueError(
+            f"{owner} must be called inside jax.shard_map over a mesh with "
+            f"{'axis' if len(unbound) == 1 else 'axes'} {names} (currently bound axes: "
+            f"{sorted(map(str, bound)) or 'none'}){hint}"
+        )
+    for a in axes:
+        if bound[a] != int(mesh.shape[a]):
+            raise ValueError(
+                f"axis {a!r} has size {bound[a]} here but {int(mesh.shape[a])} in the mesh "
+                f"{owner.split('.')[0]} was built with{hint}"
+            )

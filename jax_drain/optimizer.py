@@ -83,6 +83,7 @@ from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket
 from jax_drain.drain import check_max_in_flight, sequenced_map
 from jax_drain.layout import BucketLayout, leaf_paths
+from jax_drain.mesh import require_bound_axes
 from jax_drain.scan import ScanGradSync, ScanShards
 from jax_drain.sync import SCOPE_PREFIX, GradSync
 
@@ -740,15 +741,8 @@ class DistributedOptimizer:
         return one, sharded
 
     def _check_inside_shard_map(self, method: str) -> None:
-        bound = _compat.bound_axis_sizes()
-        mesh = self.sync.mesh
-        if any(bound.get(a) != int(mesh.shape[a]) for a in self._axes):
-            raise ValueError(
-                f"DistributedOptimizer.{method} must be called inside jax.shard_map over the sync's "
-                f"mesh (axes { {a: int(mesh.shape[a]) for a in self._axes} }); bound axes here: "
-                f"{ {str(k): v for k, v in bound.items()} or 'none'}. Outside shard_map use "
-                "init_sharded(params)."
-            )
+        require_bound_axes(f"DistributedOptimizer.{method}", self.sync.mesh, self._axes,
+                           hint="; outside shard_map use init_sharded(params)")
 
     def _check_local_state(self, state: Any) -> None:
         if not isinstance(state, DistState):

@@ -86,6 +86,7 @@ from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket, check_mode, reduce_scatter_bucket
 from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.layout import BucketLayout, leaf_paths
+from jax_drain.mesh import require_bound_axes
 from jax_drain.sync import SCOPE_PREFIX, GradSync
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
@@ -551,14 +552,7 @@ class ScanGradSync:
         return jax.tree.unflatten(self._treedef, self._merge_leaves(stacked, rest))
 
     def _check_inside_shard_map(self, method: str) -> None:
-        bound = _compat.bound_axis_sizes()
-        if bound.get(self.axis) != self.axis_size:
-            raise ValueError(
-                f"ScanGradSync.{method} must be called inside jax.shard_map over a mesh with axis "
-                f"{self.axis!r} of size {self.axis_size} (bound axes here: "
-                f"{ {str(k): v for k, v in bound.items()} or 'none'})"
-            )
-
+        require_bound_axes(f"ScanGradSync.{method}", self.mesh, (self.axis,))
 
 def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: Any) -> PyTree:
     """Which leaves of ``params`` a ``scan`` in ``loss_fn`` takes as scanned inputs (``xs``).

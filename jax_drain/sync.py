@@ -52,7 +52,9 @@ from jax_drain import _compat
 from jax_drain.collectives import all_reduce_shard, check_mode, reduce_scatter_bucket
 from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.layout import BucketLayout
-from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, mesh_order, place_leaves
+from jax_drain.mesh import (
+    AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, mesh_order, place_leaves, require_bound_axes,
+)
 
 PyTree = Any
 
@@ -439,26 +441,11 @@ class GradSync:
             )
 
     def _check_inside_shard_map(self, method: str) -> None:
-        bound = _compat.bound_axis_sizes()
-        needed = mesh_order(
-            self.mesh,
-            self.axes + self.outer_axes + self.expert_axes + tuple(a for pl in self.placements for a in pl.spec_axes),
-        )
-        unbound = [a for a in needed if a not in bound]
-        if unbound:
-            names = ", ".join(repr(a) for a in (self.axes if set(self.axes) & set(unbound) else unbound))
-            raise ValueError(
-                f"GradSync.{method} must be called inside jax.shard_map over a mesh with "
-                f"{'axis' if names.count(',') == 0 else 'axes'} {names} (currently bound axes: "
-                f"{sorted(map(str, bound)) or 'none'})"
-            )
-        for a in needed:
-            if bound[a] != int(self.mesh.shape[a]):
-                raise ValueError(
-                    f"axis {a!r} has size {bound[a]} here but {int(self.mesh.shape[a])} in the "
-                    "mesh GradSync was built with"
-                )
-
+        spec_axes = tuple(a for pl in self.placements for a in pl.spec_axes)
+        needed = mesh_order(self.mesh, self.axes + self.outer_axes + self.expert_axes + spec_axes)
+        # The data axes first: outside shard_map, the error names them rather than every axis.
+        require_bound_axes(f"GradSync.{method}", self.mesh, self.axes)
+        require_bound_axes(f"GradSync.{method}", self.mesh, needed)
 
 def local_params(params: PyTree, axis: AxisSpec) -> PyTree:
     """A per-device view of replicated ``params`` inside ``shard_map`` (no communication).
