@@ -74,6 +74,33 @@ def _key_str(key: Any) -> str:
     return str(key)
 
 
+def check_leaves(
+    tree: PyTree,
+    treedef: Any,
+    expected: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+    what: str,
+    reference: str,
+    check_dtypes: bool = True,
+) -> list:
+    """Returns ``tree``'s leaves after checking its structure is ``treedef`` and each leaf has the
+    ``(path, shape, dtype)`` expected of it; ``reference`` names what the tree must match."""
+    leaves, got = jax.tree.flatten(tree)
+    if got != treedef:
+        raise ValueError(f"{what} structure differs from {reference}:\n  expected {treedef}\n  got      {got}")
+    for (path, shape, dtype), leaf in zip(expected, leaves):
+        if tuple(leaf.shape) != shape:
+            raise ValueError(
+                f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, expected {shape} (the per-device "
+                "shape inside shard_map)"
+            )
+        if check_dtypes and np.dtype(leaf.dtype) != dtype:
+            raise TypeError(
+                f"{what} leaf {path!r} has dtype {np.dtype(leaf.dtype)}, expected {dtype}; cast the tree "
+                "or build the sync from matching parameters"
+            )
+    return leaves
+
+
 def _check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
     order = tuple(int(i) for i in order)
     if sorted(order) != list(range(num_leaves)):
@@ -165,24 +192,8 @@ class BucketLayout:
 
     def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True) -> list:
         """Returns ``tree``'s leaves after checking structure, shapes (and dtypes) match."""
-        leaves, treedef = jax.tree.flatten(tree)
-        if treedef != self.treedef:
-            raise ValueError(
-                f"{what} structure differs from the layout's parameter tree:\n"
-                f"  expected {self.treedef}\n  got      {treedef}"
-            )
-        for slot, leaf in zip(self.slots, leaves):
-            if tuple(leaf.shape) != slot.shape:
-                raise ValueError(
-                    f"{what} leaf {slot.path!r} has shape {tuple(leaf.shape)}, the layout expects "
-                    f"{slot.shape} (the per-device shape inside shard_map)"
-                )
-            if check_dtypes and np.dtype(leaf.dtype) != slot.dtype:
-                raise TypeError(
-                    f"{what} leaf {slot.path!r} has dtype {np.dtype(leaf.dtype)}, the layout expects "
-                    f"{slot.dtype}; cast the tree or build the layout from matching parameters"
-                )
-        return leaves
+        expected = [(s.path, s.shape, s.dtype) for s in self.slots]
+        return check_leaves(tree, self.treedef, expected, what, "the layout's parameter tree", check_dtypes)
 
     def flatten(self, tree: PyTree, dtype: Any = None) -> tuple[jax.Array, ...]:
         """Packs ``tree`` into 1-D zero-padded buckets (dispatch order).

@@ -85,7 +85,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket, check_mode, reduce_scatter_bucket
 from jax_drain.drain import drain_depth, sequenced_map
-from jax_drain.layout import BucketLayout, leaf_paths
+from jax_drain.layout import BucketLayout, check_leaves, leaf_paths
 from jax_drain.mesh import require_bound_axes
 from jax_drain.sync import SCOPE_PREFIX, GradSync
 
@@ -524,18 +524,9 @@ class ScanGradSync:
             )
 
     def _check_tree(self, tree: PyTree, what: str, check_dtypes: bool = True) -> list:
-        leaves, treedef = jax.tree.flatten(tree)
-        if treedef != self._treedef:
-            raise ValueError(
-                f"{what} structure differs from the params this ScanGradSync was built with:\n"
-                f"  expected {self._treedef}\n  got      {treedef}"
-            )
-        for path, leaf, (shape, dtype) in zip(self._paths, leaves, self._shapes):
-            if tuple(leaf.shape) != shape:
-                raise ValueError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, expected {shape}")
-            if check_dtypes and np.dtype(leaf.dtype) != dtype:
-                raise TypeError(f"{what} leaf {path!r} has dtype {np.dtype(leaf.dtype)}, expected {dtype}")
-        return leaves
+        expected = [(path, shape, dtype) for path, (shape, dtype) in zip(self._paths, self._shapes)]
+        return check_leaves(tree, self._treedef, expected, what, "the params this ScanGradSync was built with",
+                            check_dtypes)
 
     def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
         return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]
