@@ -6,10 +6,12 @@ jitted over a :class:`jax.sharding.Mesh` of those devices lowers and compiles wi
 pipeline (collective combiners, latency-hiding scheduler, buffer assignment), so
 ``compiled.as_text()`` and ``compiled.memory_analysis()`` describe what would run on the GPUs.
 
-Requirements: the CUDA PJRT plugin at the jaxlib version (``pip install jax-cuda12-plugin==V
-jax-cuda12-pjrt==V``); no CUDA libraries. On a machine without CUDA set ``JAX_PLATFORMS=cpu``
-(before jax initialises its backends), otherwise the plugin fails its CUDA version check and does
-not register.
+Requirements: the CUDA PJRT plugin (``jax-cuda12-plugin``, module ``jax_plugins.xla_cuda12``) at
+the installed jax's version: ``pip install -e '.[gpu-compile]'``; no CUDA libraries. On a machine
+without CUDA set ``JAX_PLATFORMS=cpu`` (before jax initialises its backends), otherwise the plugin
+fails its CUDA version check and does not register. Without a usable plugin, :func:`gpu_devices`,
+:func:`gpu_mesh` and everything built on them raise :class:`GpuCompileUnavailable`;
+:func:`gpu_compile_available` says so without raising.
 
 Example::
 
@@ -22,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.resources
 import importlib.util
 import math
@@ -36,10 +39,12 @@ from jax.sharding import Mesh
 
 __all__ = [
     "KNOWN_TARGETS",
+    "GpuCompileUnavailable",
     "gpu_compile_available",
     "gpu_devices",
     "gpu_mesh",
     "parse_topology",
+    "require_gpu_compile",
     "target_config",
 ]
 
@@ -122,21 +127,50 @@ def parse_topology(topology: str | int) -> tuple[int, int, int]:
     return dims  # type: ignore[return-value]
 
 
-def _plugin_missing_error(cause: BaseException) -> RuntimeError:
-    import jaxlib
+#: The CUDA PJRT plugin: its pip distribution and the module jax discovers it by.
+PLUGIN_PACKAGE = "jax-cuda12-plugin"
+PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 
-    version = jaxlib.__version__
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return RuntimeError(
-            "compile-only GPU devices need the CUDA PJRT plugin (no GPU or CUDA libraries "
-            f"needed): pip install jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version}"
+
+class GpuCompileUnavailable(RuntimeError):
+    """Compile-only GPU devices cannot be created here: the CUDA PJRT plugin is missing or unusable.
+
+    The message is one line saying what to install or set.
+    """
+
+
+def _plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec(PLUGIN_MODULE) is not None
+    except (ImportError, ValueError):  # not even the jax_plugins namespace package is installed
+        return False
+
+
+def _plugin_version() -> str | None:
+    try:
+        return importlib.metadata.version(PLUGIN_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _unavailable(cause: BaseException) -> GpuCompileUnavailable:
+    version = jax.__version__
+    install = f"pip install -e '.[gpu-compile]' (or pip install 'jax[cuda12-local]=={version}')"
+    if not _plugin_installed():
+        return GpuCompileUnavailable(
+            f"compile-only GPU devices need the CUDA PJRT plugin {PLUGIN_PACKAGE} ({PLUGIN_MODULE}) "
+            f"at the installed jax version {version}, and it is not installed: {install}; no GPU "
+            "or CUDA libraries are needed"
         )
+    plugin = _plugin_version()
+    mismatch = f", but the plugin is {plugin}" if plugin not in (None, version) else ""
+    reason = " ".join(str(cause).split())
     # Installed but not registered: usually its CUDA version check failed at jax start-up.
-    return RuntimeError(
-        "the CUDA PJRT plugin is installed but did not register with jax (its CUDA check fails "
-        "without CUDA libraries): set JAX_PLATFORMS=cpu, or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1, "
-        "before jax initialises its backends; also make sure jax-cuda12-plugin and "
-        f"jax-cuda12-pjrt are at the jaxlib version ({version}). Cause: {cause}"
+    return GpuCompileUnavailable(
+        f"the CUDA PJRT plugin {PLUGIN_PACKAGE} ({PLUGIN_MODULE}) is installed but did not "
+        f"register with jax {version}{mismatch}: without CUDA libraries set JAX_PLATFORMS=cpu (or "
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before jax initialises its backends; to reinstall it "
+        f"at jax's version: {install}. Cause: {reason}"
     )
 
 
@@ -147,10 +181,10 @@ def _cached_devices(config_key: str, dims: tuple[int, int, int]) -> tuple[jax.De
         topo = topologies.get_topology_desc(
             _TOPOLOGY_NAME, "cuda", target_config=config, topology="x".join(map(str, dims))
         )
-    except NotImplementedError as e:
-        raise _plugin_missing_error(e) from e
-    except jax.errors.JaxRuntimeError as e:
-        if "GpuTargetConfigProto" not in str(e):
+    except Exception as e:
+        if isinstance(e, NotImplementedError) or not _plugin_installed():
+            raise _unavailable(e) from e
+        if not (isinstance(e, jax.errors.JaxRuntimeError) and "GpuTargetConfigProto" in str(e)):
             raise
         raise ValueError(
             f"target config {config_key!r} is not valid GpuTargetConfigProto text ({e}); start "
@@ -166,7 +200,8 @@ def gpu_devices(target: str = "h100", topology: str | int = "1x1x8") -> list[jax
     ``process_index == 0`` and ids 8-15 with ``process_index == 1``. Programs over them compile as
     one SPMD program spanning all hosts.
 
-    Raises ``RuntimeError`` (saying what to install or set) when the CUDA PJRT plugin is unusable.
+    Raises :class:`GpuCompileUnavailable` (saying what to install or set) when the CUDA PJRT
+    plugin is missing or unusable.
 
     Example::
 
@@ -224,17 +259,22 @@ def gpu_mesh(
     return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names)
 
 
+def require_gpu_compile() -> None:
+    """Raise :class:`GpuCompileUnavailable` unless compile-only GPU devices can be created here."""
+    gpu_devices("h100", 1)
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_compile_available() -> bool:
     """Whether compile-only GPU devices can be created here (the CUDA PJRT plugin works).
 
-    Example::
+    Never raises for a missing or unusable plugin. Example::
 
         >>> import pytest
         >>> if not gpu_compile_available(): pytest.skip("needs jax-cuda12-plugin")
     """
     try:
-        gpu_devices("h100", 1)
-    except RuntimeError:
+        require_gpu_compile()
+    except GpuCompileUnavailable:
         return False
     return True

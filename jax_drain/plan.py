@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_drain import _compat, models
 from jax_drain.collectives import REDUCE_MODES
 from jax_drain.drain import sequenced_map
-from jax_drain.gpu_targets import gpu_mesh, parse_topology
+from jax_drain.gpu_targets import GpuCompileUnavailable, gpu_mesh, parse_topology
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
@@ -659,6 +659,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jax_drain.plan",
         description="Compile a training step for a virtual GPU host (no GPU needed) and report "
         "XLA's memory and schedule for the gradient sync.",
+        epilog="exit status: 0 planned; 2 bad input or the step did not plan; 3 no usable CUDA PJRT "
+        "plugin (pip install -e '.[gpu-compile]')",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="gpt-blocks", help=f"model preset: {', '.join(models.PRESETS)}")
@@ -709,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_buckets=None if args.bucket_size else args.num_buckets, micro_batch=args.micro_batch,
                 compiler_options=_xla_options(args.xla_option),
             )
+    except GpuCompileUnavailable as e:  # no usable CUDA PJRT plugin: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,11 @@
-"""Test setup: 8 virtual CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 virtual CPU devices, set before jax is imported anywhere; the gpu_compile gate.
 
+Tests marked ``gpu_compile`` need the CUDA PJRT plugin (compile-only GPU devices). Without a
+usable plugin they skip with the reason, unless ``CI=true`` or ``JAX_DRAIN_REQUIRE_GPU_COMPILE=1``
+is set: then they fail, so that CI never passes with them silently skipped.
+"""
+
+import functools
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -15,6 +21,56 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+
+REQUIRE_GPU_COMPILE = (
+    os.environ.get("CI", "").lower() in ("true", "1")
+    or os.environ.get("JAX_DRAIN_REQUIRE_GPU_COMPILE", "") == "1"
+)
+
+
+@functools.cache
+def gpu_compile_problem() -> str | None:
+    """Why compile-only GPU devices cannot be created here (one line), or None if they can."""
+    from jax_drain.gpu_targets import GpuCompileUnavailable, require_gpu_compile
+
+    try:
+        require_gpu_compile()
+    except GpuCompileUnavailable as e:
+        return str(e)
+    return None
+
+
+def require_gpu_compile() -> None:
+    """Skip the running test without a usable CUDA PJRT plugin; in CI, fail it instead."""
+    problem = gpu_compile_problem()
+    if problem is None:
+        return
+    if REQUIRE_GPU_COMPILE:
+        pytest.fail(f"gpu_compile test not skipped (CI=true or JAX_DRAIN_REQUIRE_GPU_COMPILE=1): {problem}",
+                    pytrace=False)
+    pytest.skip(f"gpu_compile: {problem}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # tryfirst: before the test's fixtures, which may already compile for the GPU target.
+    if item.get_closest_marker("gpu_compile") is not None:
+        require_gpu_compile()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say why tests skipped, per kind, so that no kind of skip goes unnoticed."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    kinds = {
+        "gpu_compile": "need the CUDA PJRT plugin (CI=true or JAX_DRAIN_REQUIRE_GPU_COMPILE=1 fails them)",
+        "gpu": "need real GPUs (JAX_DRAIN_TEST_PLATFORM=gpu on a multi-GPU host)",
+    }
+    for marker, why in kinds.items():
+        n = sum(1 for r in skipped if marker in r.keywords)
+        if n:
+            terminalreporter.write_line(f"jax_drain: {n} {marker} tests skipped: they {why}")
+    if any("gpu_compile" in r.keywords for r in skipped):
+        terminalreporter.write_line(f"jax_drain: {gpu_compile_problem()}")
 
 
 @pytest.fixture(scope="session")

@@ -33,11 +33,14 @@ def _usable(devices: list) -> list:
 
 GPUS = _usable(_gpus())
 
-pytestmark = pytest.mark.skipif(
-    len(GPUS) < 2,
-    reason=f"needs >= 2 GPUs visible to jax (found {len(_gpus())}); on a multi-GPU host run "
-    "JAX_DRAIN_TEST_PLATFORM=gpu python -m pytest tests/test_gpu_devices.py",
-)
+pytestmark = [
+    pytest.mark.gpu,  # real GPUs, not the CUDA PJRT plugin's compile-only devices (gpu_compile)
+    pytest.mark.skipif(
+        len(GPUS) < 2,
+        reason=f"needs >= 2 GPUs visible to jax (found {len(_gpus())}); on a multi-GPU host run "
+        "JAX_DRAIN_TEST_PLATFORM=gpu python -m pytest tests/test_gpu_devices.py",
+    ),
+]
 
 
 @pytest.mark.parametrize("kind", ("dp",) + cases.KINDS)

@@ -5,13 +5,13 @@ import re
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_drain import gpu_targets
 from jax_drain.gpu_targets import (
     KNOWN_TARGETS,
+    GpuCompileUnavailable,
     gpu_compile_available,
     gpu_devices,
     gpu_mesh,
@@ -19,12 +19,6 @@ from jax_drain.gpu_targets import (
     target_config,
 )
 from jax_drain.schedule import parse_schedule, replica_group_size
-
-needs_gpu_compile = pytest.mark.skipif(
-    not gpu_compile_available(),
-    reason="needs the CUDA PJRT plugin (pip install jax-cuda12-plugin jax-cuda12-pjrt at the "
-    "jaxlib version) for compile-only GPU devices",
-)
 
 
 def config_field(text: str, field: str) -> str:
@@ -91,28 +85,52 @@ def test_parse_topology_rejects_malformed(topology):
         parse_topology(topology)
 
 
-def test_missing_plugin_error_says_what_to_install(monkeypatch):
+def _no_topology(monkeypatch, plugin_installed: bool):
     def unavailable(*args, **kwargs):
         raise NotImplementedError("topology not implemented for cuda")
 
     monkeypatch.setattr(gpu_targets.topologies, "get_topology_desc", unavailable)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    v = jaxlib.__version__
-    with pytest.raises(RuntimeError) as info:
+    monkeypatch.setattr(gpu_targets, "_plugin_installed", lambda: plugin_installed)
+
+
+def test_missing_plugin_error_says_what_to_install(monkeypatch):
+    _no_topology(monkeypatch, plugin_installed=False)
+    with pytest.raises(GpuCompileUnavailable) as info:
         gpu_devices("a100", "1x1x3")  # a pair no other test caches
-    assert f"pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}" in str(info.value)
+    message = str(info.value)
+    assert "pip install -e '.[gpu-compile]'" in message and f"jax version {jax.__version__}" in message
+    assert "jax-cuda12-plugin" in message and "\n" not in message
+    with pytest.raises(GpuCompileUnavailable, match="jax-cuda12-plugin"):
+        gpu_mesh((3,), ("data",), target="a100")
+    assert isinstance(info.value, RuntimeError)
 
 
 def test_unregistered_plugin_error_says_to_set_jax_platforms(monkeypatch):
-    def unavailable(*args, **kwargs):
-        raise NotImplementedError("topology not implemented for cuda")
-
-    monkeypatch.setattr(gpu_targets.topologies, "get_topology_desc", unavailable)
-    with pytest.raises(RuntimeError, match="JAX_PLATFORMS=cpu"):
+    _no_topology(monkeypatch, plugin_installed=True)
+    with pytest.raises(GpuCompileUnavailable, match="JAX_PLATFORMS=cpu"):
         gpu_devices("a100", "1x1x5")
 
 
-@needs_gpu_compile
+def test_no_jax_plugins_namespace_means_not_installed(monkeypatch):
+    """Without any jax plugin, find_spec of the plugin's module raises instead of giving None."""
+    def find_spec(name, *args):
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert gpu_targets._plugin_installed() is False
+
+
+def test_gpu_compile_available_is_false_without_raising(monkeypatch):
+    _no_topology(monkeypatch, plugin_installed=False)
+    monkeypatch.setattr(gpu_targets, "gpu_devices", lambda *a: gpu_targets._cached_devices("a100", (1, 1, 7)))
+    gpu_compile_available.cache_clear()
+    try:
+        assert gpu_compile_available() is False
+    finally:
+        gpu_compile_available.cache_clear()
+
+
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize(
     "target, kind",
     [("h100", "NVIDIA H100 80GB HBM3"), ("H200", "NVIDIA H200"), ("a100_80gb", "NVIDIA A100-SXM4-80GB")],
@@ -124,7 +142,7 @@ def test_gpu_devices_are_compile_only_gpus_of_the_target(target, kind):
     assert {d.platform for d in devices} == {"gpu"}
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_invalid_config_file_is_a_value_error(tmp_path):
     path = tmp_path / "broken.pbtxt"
     path.write_text("gpu_device_info { no_such_field: 1 }")
@@ -132,14 +150,14 @@ def test_invalid_config_file_is_a_value_error(tmp_path):
         gpu_devices(str(path), 2)
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_gpu_devices_are_cached_per_target_and_topology():
     assert gpu_devices("h100", "1x1x8") == gpu_devices("H100", 8)
     assert gpu_devices("h100", 8)[0] is gpu_devices("h100_80gb", "1x1x8")[0]
     assert gpu_devices("h100", 8)[0] is not gpu_devices("h200", 8)[0]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_multi_host_topology_process_indices():
     devices = gpu_devices("h100", "1x2x8")
     assert [d.id for d in devices] == list(range(16))
@@ -148,7 +166,7 @@ def test_multi_host_topology_process_indices():
     assert [d.process_index for d in sliced] == [h for h in range(4) for _ in range(4)]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_gpu_mesh_defaults_to_hosts_of_eight():
     small = gpu_mesh((2, 2), ("a", "b"), target="a100")
     assert small.devices.shape == (2, 2) and small.axis_names == ("a", "b")
@@ -157,7 +175,7 @@ def test_gpu_mesh_defaults_to_hosts_of_eight():
     assert [[d.process_index for d in row] for row in big.devices] == [[0] * 8, [1] * 8]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_gpu_mesh_rejects_mismatches():
     with pytest.raises(ValueError, match="needs 8 devices"):
         gpu_mesh((8,), ("data",), topology="1x2x8")
@@ -176,7 +194,7 @@ def three_scatters(x):
     )
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize(
     "options, combined_counts",
     [
@@ -206,7 +224,7 @@ def test_compiler_options_reach_the_gpu_compiler(options, combined_counts):
     assert {c.dtype for c in rs} == {"f32"}
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_multi_host_program_compiles_across_hosts():
     mesh = gpu_mesh((16,), ("data",), topology="1x2x8", target="h200")
     fn = jax.jit(

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
 from jax_drain import _compat, plan
-from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
+from jax_drain.gpu_targets import gpu_mesh
 from jax_drain.schedule import parse_schedule
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, Shards
 
@@ -407,9 +407,6 @@ def test_grads_must_vary_along_every_reduced_axis(cpu_devices):
 
 # -- the schedule on XLA's GPU compiler: two hosts, compile-only ---------------------------------
 
-needs_gpu_compile = pytest.mark.skipif(
-    not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"
-)
 # XLA:GPU keeps one async collective in flight unless allowed more; allow more so that only the
 # chains bound what is in flight.
 OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
@@ -469,7 +466,7 @@ def compiled_schedule(expert: bool, drain: bool = True):
     return _compiled[expert, drain]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_gpu_schedule_hierarchical_tp_one_bucket_in_flight():
     sync, sched = compiled_schedule(expert=False)
     spans = chain_spans(sched, SCOPE_PREFIX)
@@ -485,7 +482,7 @@ def test_gpu_schedule_hierarchical_tp_one_bucket_in_flight():
     assert buckets_in_flight(chain_spans(free, SCOPE_PREFIX)) > 1
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_gpu_schedule_dense_and_expert_chains_each_one_bucket_in_flight():
     sync, sched = compiled_schedule(expert=True)
     dense, expert = chain_spans(sched, SCOPE_PREFIX), chain_spans(sched, EXPERT_SCOPE)

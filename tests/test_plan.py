@@ -6,13 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_drain import plan
-from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
-
-pytestmark = [
-    pytest.mark.gpu_compile,
-    pytest.mark.skipif(not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"),
-]
+from jax_drain import gpu_targets, plan
+from jax_drain.gpu_targets import GpuCompileUnavailable, gpu_mesh
 
 TINY = plan.preset_config("tiny", layers=2, d_model=256)
 OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
@@ -30,6 +25,7 @@ def reports():
     }
 
 
+@pytest.mark.gpu_compile
 def test_finds_one_collective_per_bucket_and_the_in_flight_bound(reports):
     drained = reports["drained"]
     assert drained.num_buckets >= 6
@@ -43,6 +39,7 @@ def test_finds_one_collective_per_bucket_and_the_in_flight_bound(reports):
     assert reports["gspmd"].strategy == "gspmd" and reports["gspmd"].collectives  # XLA's own
 
 
+@pytest.mark.gpu_compile
 def test_json_fields_are_present_and_consistent(reports, tmp_path):
     row = reports["drained"].to_json()
     for field in ("strategy", "num_buckets", "temp_bytes", "pairs", "overlapped", "compile_s",
@@ -55,6 +52,7 @@ def test_json_fields_are_present_and_consistent(reports, tmp_path):
     json.dumps(row)  # serialisable
 
 
+@pytest.mark.gpu_compile
 def test_table_and_plot(reports, tmp_path):
     table = reports["drained"].table()
     assert "fp32_accum+drain" in table and "all-to-all" in table and "temp" in table
@@ -63,6 +61,7 @@ def test_table_and_plot(reports, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.gpu_compile
 def test_cli_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     code = plan.main(["--preset", "tiny", "--layers", "2", "--strategy", "bf16+drain", "--num-buckets", "4",
@@ -74,6 +73,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert png.exists() and "reduce-scatter" in capsys.readouterr().out
 
 
+@pytest.mark.gpu_compile
 def test_plan_of_a_user_step():
     mesh = gpu_mesh((8,), ("data",))
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -85,13 +85,20 @@ def test_plan_of_a_user_step():
     assert [c.kind for c in report.collectives] == ["all-reduce"]
 
 
-def test_bad_inputs(capsys):
+def test_bad_inputs_are_refused_before_compiling(capsys):
     with pytest.raises(ValueError, match="unknown GPU target|known targets"):
         plan.plan_preset(TINY, "bf16", target="tpu9", num_buckets=2)
     with pytest.raises(ValueError, match="topology"):
         plan.plan_preset(TINY, "bf16", topology="8xx", num_buckets=2)
     with pytest.raises(ValueError, match="unknown strategy 'fp64'"):
         plan.plan_preset(TINY, "fp64", num_buckets=2)
+    assert plan.main(["--preset", "tiny", "--target", "v100"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert plan.main(["--preset", "tiny", "--xla-option", "novalue"]) == 2
+
+
+@pytest.mark.gpu_compile
+def test_a_step_that_does_not_trace_is_a_plan_error():
     mesh = gpu_mesh((8,), ("data",))
 
     def broken(x):
@@ -101,9 +108,20 @@ def test_bad_inputs(capsys):
     step = jax.jit(broken, in_shardings=NamedSharding(mesh, P("data")))
     with pytest.raises(plan.PlanError, match="could not trace the step"):
         plan.plan(step, jax.ShapeDtypeStruct((8, 4), jnp.float32))
-    assert plan.main(["--preset", "tiny", "--target", "v100"]) == 2
-    assert "error:" in capsys.readouterr().err
-    assert plan.main(["--preset", "tiny", "--xla-option", "novalue"]) == 2
+
+
+def test_without_the_plugin_one_error_and_one_line_from_the_cli(monkeypatch, capsys):
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(gpu_targets.topologies, "get_topology_desc", unavailable)
+    monkeypatch.setattr(gpu_targets, "_plugin_installed", lambda: False)
+    with pytest.raises(GpuCompileUnavailable, match=r"pip install -e '\.\[gpu-compile\]'"):
+        plan.plan_preset(TINY, "bf16", target="a100", topology="1x1x6", num_buckets=2)  # never cached
+    assert plan.main(["--preset", "tiny", "--target", "a100", "--topology", "1x1x6"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ")
+    assert "jax-cuda12-plugin" in err and jax.__version__ in err
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -136,6 +154,7 @@ def expert_reports():
     return out
 
 
+@pytest.mark.gpu_compile
 def test_planner_bounds_each_bucket_chain(expert_reports):
     sync, drained = expert_reports[True]
     assert sync.num_buckets >= 2 and sync.num_expert_buckets >= 2
@@ -160,6 +179,7 @@ def test_planner_bounds_each_bucket_chain(expert_reports):
     assert undrained.buckets_in_flight == max(undrained.chains_in_flight.values())
 
 
+@pytest.mark.gpu_compile
 def test_scanned_preset_syncs_inside_the_backward_scan():
     config = plan.preset_config("tiny", layers=2, d_model=256, scan_layers=True)
     in_scan = plan.plan_preset(config, "fp32_accum+drain", num_buckets=4)

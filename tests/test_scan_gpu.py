@@ -13,15 +13,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_drain import _compat, models
-from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
+from jax_drain.gpu_targets import gpu_mesh
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync
 from jax_drain.schedule import parse_schedule
 from jax_drain.sync import local_params
 
-pytestmark = [
-    pytest.mark.gpu_compile,
-    pytest.mark.skipif(not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"),
-]
+pytestmark = pytest.mark.gpu_compile  # skips without the CUDA PJRT plugin (tests/conftest.py)
 
 CONFIG = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, scan_layers=True)
 BUCKET = 300_000  # two buckets per layer: the MLP kernels, then attention and the norms

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_drain.gpu_targets import gpu_compile_available, gpu_mesh
+from jax_drain.gpu_targets import gpu_mesh
 from jax_drain.schedule import (
     Collective,
     expand_op_name,
@@ -15,11 +15,6 @@ from jax_drain.schedule import (
     shape_dtypes,
 )
 
-needs_gpu_compile = pytest.mark.skipif(
-    not gpu_compile_available(),
-    reason="needs the CUDA PJRT plugin (pip install jax-cuda12-plugin jax-cuda12-pjrt at the "
-    "jaxlib version) for compile-only GPU devices",
-)
 
 # Indices below are schedule positions in ENTRY; the comments give them.
 ASYNC_PAIRS = """HloModule pairs, is_scheduled=true, entry_computation_layout={(f32[1024]{0})->f32[]}
@@ -359,7 +354,7 @@ def bucket_collectives(sched):
     return [c for c in sched.collectives if c.in_scope("jax_drain/bucket")]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_real_uncombined_reduce_scatters(mixed_uncombined):
     sched = parse_schedule(mixed_uncombined.as_text())
     rs = bucket_collectives(sched)
@@ -371,7 +366,7 @@ def test_real_uncombined_reduce_scatters(mixed_uncombined):
     ]
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_real_collective_kinds_and_payloads(mixed_uncombined):
     sched = parse_schedule(mixed_uncombined.as_text())
     entry = {(c.kind, c.dtype, c.bytes) for c in sched.collectives if c.computation == sched.entry}
@@ -384,7 +379,7 @@ def test_real_collective_kinds_and_payloads(mixed_uncombined):
         assert not (c.overlapped and c.is_sync)
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_real_collectives_in_while_body(mixed_uncombined):
     sched = parse_schedule(mixed_uncombined.as_text())
     whiles = [i for i in sched.computations[sched.entry] if i.opcode == "while"]
@@ -393,7 +388,7 @@ def test_real_collectives_in_while_body(mixed_uncombined):
     assert in_loop == {("reduce-scatter", "bf16", B // 8 * N * 2), ("all-gather", "bf16", B * N * 2)}
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_default_combiner_merges_buckets_and_op_names(mixed_default):
     sched = parse_schedule(mixed_default.as_text())
     (rs,) = bucket_collectives(sched)  # the combiner merged the three reduce-scatters
@@ -403,7 +398,7 @@ def test_default_combiner_merges_buckets_and_op_names(mixed_default):
     assert rs.in_scope("jax_drain/bucket1")
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 def test_live_bytes_peak_is_near_memory_analysis(mixed_default):
     sched = parse_schedule(mixed_default.as_text())
     curve = sched.live_bytes()
@@ -420,7 +415,7 @@ def independent_gemm(x, w, y):
     return g, x @ w
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("triton_gemm", [True, False], ids=["triton-fusion", "cublas-custom-call"])
 def test_real_gemm_overlaps_reduce_scatter(triton_gemm):
     args = (
@@ -449,7 +444,7 @@ def layer_chain(x, ws):
     return outs
 
 
-@needs_gpu_compile
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("overlap_limit, expected", [(None, 1), (4, 3)])
 def test_real_in_flight_follows_parallel_overlap_limit(overlap_limit, expected):
     # XLA:GPU keeps one async collective in flight unless the overlap limit is raised.

@@ -13,13 +13,9 @@ from jax.sharding import PartitionSpec as P
 import jax_drain as jd
 from jax_drain import _compat
 from jax_drain.collectives import STREAM_DEPTH
-from jax_drain.gpu_targets import gpu_compile_available
 from jax_drain.schedule import parse_schedule
 
-pytestmark = [
-    pytest.mark.gpu_compile,
-    pytest.mark.skipif(not gpu_compile_available(), reason="needs the CUDA PJRT plugin (pip install -e '.[gpu-compile]')"),
-]
+pytestmark = pytest.mark.gpu_compile  # skips without the CUDA PJRT plugin (tests/conftest.py)
 
 LAYERS, D, N = 6, 512, 8
 PARAMS = {
