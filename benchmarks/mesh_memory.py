@@ -31,7 +31,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPU devices need the CPU platform
 
 from jax_drain import plan  # noqa: E402
-from jax_drain.gpu_targets import gpu_mesh  # noqa: E402
+from jax_drain.planner.targets import gpu_mesh  # noqa: E402
 
 #: (reduce mode, drained): fp32_accum with and without the drain, and Megatron's bf16 baseline.
 STRATEGIES = (("fp32_accum", False), ("fp32_accum", True), ("bf16", True))

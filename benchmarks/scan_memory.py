@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_drain import _compat, models  # noqa: E402
 from jax_drain.drain import sequenced_map  # noqa: E402
-from jax_drain.gpu_targets import gpu_mesh  # noqa: E402
+from jax_drain.planner.schedule import Schedule, parse_schedule  # noqa: E402
+from jax_drain.planner.targets import gpu_mesh  # noqa: E402
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, ScanShards  # noqa: E402
-from jax_drain.schedule import Schedule, parse_schedule  # noqa: E402
 from jax_drain.sync import SCOPE_PREFIX, local_params  # noqa: E402
 
 STRATEGIES = ("reduce_after_scan", "no_comm", "in_scan")

@@ -31,7 +31,7 @@ REQUIRE_GPU_COMPILE = (
 @functools.cache
 def gpu_compile_problem() -> str | None:
     """Why compile-only GPU devices cannot be created here (one line), or None if they can."""
-    from jax_drain.gpu_targets import GpuCompileUnavailable, require_gpu_compile
+    from jax_drain.planner.targets import GpuCompileUnavailable, require_gpu_compile
 
     try:
         require_gpu_compile()

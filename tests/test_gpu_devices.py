@@ -9,7 +9,7 @@ stays the default backend). Each mesh kind -- data parallel, tensor parallel, hi
 (replica x data), both, expert parallel -- runs on the first 2, 4, 8, ... GPUs against the same
 float64 references as on CPU: ``fp32``/``fp32_accum`` within 1e-6 relative, drained equal to
 undrained bit for bit, and ``value_and_grad`` equal to the gradient of the global mean loss.
-Multi-host runs use ``python -m jax_drain._multiprocess_worker`` (see BUILD.md).
+Multi-host runs use ``python -m jax_drain.testing.multiprocess`` (see BUILD.md).
 """
 
 import jax

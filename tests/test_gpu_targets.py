@@ -1,4 +1,4 @@
-"""jax_drain.gpu_targets: shipped target configs, topologies, compile-only devices and meshes."""
+"""jax_drain.planner.targets: shipped target configs, topologies, compile-only devices and meshes."""
 
 import importlib.util
 import re
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_drain import gpu_targets
-from jax_drain.gpu_targets import (
+from jax_drain.planner import targets
+from jax_drain.planner.targets import (
     KNOWN_TARGETS,
     GpuCompileUnavailable,
     gpu_compile_available,
@@ -18,7 +18,7 @@ from jax_drain.gpu_targets import (
     parse_topology,
     target_config,
 )
-from jax_drain.schedule import parse_schedule, replica_group_size
+from jax_drain.planner.schedule import parse_schedule, replica_group_size
 
 
 def config_field(text: str, field: str) -> str:
@@ -89,8 +89,8 @@ def _no_topology(monkeypatch, plugin_installed: bool):
     def unavailable(*args, **kwargs):
         raise NotImplementedError("topology not implemented for cuda")
 
-    monkeypatch.setattr(gpu_targets.topologies, "get_topology_desc", unavailable)
-    monkeypatch.setattr(gpu_targets, "_plugin_installed", lambda: plugin_installed)
+    monkeypatch.setattr(targets.topologies, "get_topology_desc", unavailable)
+    monkeypatch.setattr(targets, "_plugin_installed", lambda: plugin_installed)
 
 
 def test_missing_plugin_error_says_what_to_install(monkeypatch):
@@ -117,12 +117,12 @@ def test_no_jax_plugins_namespace_means_not_installed(monkeypatch):
         raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    assert gpu_targets._plugin_installed() is False
+    assert targets._plugin_installed() is False
 
 
 def test_gpu_compile_available_is_false_without_raising(monkeypatch):
     _no_topology(monkeypatch, plugin_installed=False)
-    monkeypatch.setattr(gpu_targets, "gpu_devices", lambda *a: gpu_targets._cached_devices("a100", (1, 1, 7)))
+    monkeypatch.setattr(targets, "gpu_devices", lambda *a: targets._cached_devices("a100", (1, 1, 7)))
     gpu_compile_available.cache_clear()
     try:
         assert gpu_compile_available() is False

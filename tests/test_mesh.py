@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
-from jax_drain import _compat, plan
-from jax_drain.gpu_targets import gpu_mesh
-from jax_drain.schedule import parse_schedule
+from jax_drain import _compat
+from jax_drain.planner import plan
+from jax_drain.planner.schedule import parse_schedule
+from jax_drain.planner.targets import gpu_mesh
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, Shards
 
 SDS = jax.ShapeDtypeStruct
@@ -415,7 +416,7 @@ GPU_LAYERS, GD = 4, 256
 
 def hsdp_tp_step(mesh: Mesh, expert: bool = False, drain: bool = True):
     """(jitted step, abstract args, sync) on ``("replica", "data", ["expert",] "model")``: the
-    step ``jax_drain.plan.plan`` takes (one local ``w_in`` block per bucket)."""
+    step ``jax_drain.planner.plan.plan`` takes (one local ``w_in`` block per bucket)."""
     return plan.build_mesh_step(mesh, layers=GPU_LAYERS, d_model=GD, drain=drain, expert=expert,
                                 bucket_size=4 * GD * GD // 2)
 

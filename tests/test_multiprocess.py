@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jax_drain import _multiprocess_worker as worker
+from jax_drain.testing import multiprocess as worker
 
 # Generous for 2 shared cores: the run itself takes ~15 s.
 TIMEOUT_S = 240

@@ -14,9 +14,9 @@ import jax_drain as jd
 from conftest import data_mesh
 from helpers import random_tree
 from jax_drain import _compat
-from jax_drain.gpu_targets import gpu_mesh
 from jax_drain.optimizer import GATHER_SCOPE
-from jax_drain.schedule import parse_schedule
+from jax_drain.planner.schedule import parse_schedule
+from jax_drain.planner.targets import gpu_mesh
 
 TEMPLATE = {
     "embed": jax.ShapeDtypeStruct((50, 24), jnp.float32),

@@ -1,13 +1,16 @@
 """The planner on compile-only GPU devices, with the tiny presets (fast)."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_drain import gpu_targets, plan
-from jax_drain.gpu_targets import GpuCompileUnavailable, gpu_mesh
+from jax_drain.planner import cli, plan, targets
+from jax_drain.planner.targets import GpuCompileUnavailable, gpu_mesh
 
 TINY = plan.preset_config("tiny", layers=2, d_model=256)
 OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
@@ -64,7 +67,7 @@ def test_table_and_plot(reports, tmp_path):
 @pytest.mark.gpu_compile
 def test_cli_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    code = plan.main(["--preset", "tiny", "--layers", "2", "--strategy", "bf16+drain", "--num-buckets", "4",
+    code = cli.main(["--preset", "tiny", "--layers", "2", "--strategy", "bf16+drain", "--num-buckets", "4",
                       "--json", str(out), "--plot", str(png)])
     assert code == 0
     row = json.loads(out.read_text())
@@ -92,9 +95,9 @@ def test_bad_inputs_are_refused_before_compiling(capsys):
         plan.plan_preset(TINY, "bf16", topology="8xx", num_buckets=2)
     with pytest.raises(ValueError, match="unknown strategy 'fp64'"):
         plan.plan_preset(TINY, "fp64", num_buckets=2)
-    assert plan.main(["--preset", "tiny", "--target", "v100"]) == 2
+    assert cli.main(["--preset", "tiny", "--target", "v100"]) == 2
     assert "error:" in capsys.readouterr().err
-    assert plan.main(["--preset", "tiny", "--xla-option", "novalue"]) == 2
+    assert cli.main(["--preset", "tiny", "--xla-option", "novalue"]) == 2
 
 
 @pytest.mark.gpu_compile
@@ -114,14 +117,39 @@ def test_without_the_plugin_one_error_and_one_line_from_the_cli(monkeypatch, cap
     def unavailable(*args, **kwargs):
         raise NotImplementedError("topology not implemented for cuda")
 
-    monkeypatch.setattr(gpu_targets.topologies, "get_topology_desc", unavailable)
-    monkeypatch.setattr(gpu_targets, "_plugin_installed", lambda: False)
+    monkeypatch.setattr(targets.topologies, "get_topology_desc", unavailable)
+    monkeypatch.setattr(targets, "_plugin_installed", lambda: False)
     with pytest.raises(GpuCompileUnavailable, match=r"pip install -e '\.\[gpu-compile\]'"):
         plan.plan_preset(TINY, "bf16", target="a100", topology="1x1x6", num_buckets=2)  # never cached
-    assert plan.main(["--preset", "tiny", "--target", "a100", "--topology", "1x1x6"]) == 3
+    assert cli.main(["--preset", "tiny", "--target", "a100", "--topology", "1x1x6"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ")
     assert "jax-cuda12-plugin" in err and jax.__version__ in err
+
+
+def test_jax_drain_plan_is_the_public_entry():
+    import jax_drain.plan as entry
+
+    assert entry.plan is plan.plan and entry.plan_preset is plan.plan_preset and entry.main is cli.main
+    assert entry.gpu_mesh is gpu_mesh and entry.GpuCompileUnavailable is GpuCompileUnavailable
+    assert all(hasattr(entry, name) for name in entry.__all__)
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_python_m_jax_drain_plan_runs_the_cli():
+    done = _python("-m", "jax_drain.plan", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--preset" in done.stdout and "--xla-option" in done.stdout and "exit status" in done.stdout
+
+
+def test_the_runtime_imports_neither_the_planner_nor_the_test_harness():
+    done = _python("-c", "import sys, jax_drain; print(sorted(m for m in sys.modules if m.startswith("
+                   "('jax_drain.plan', 'jax_drain.testing'))))")
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("name,expected", [

@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_drain import _compat, models
-from jax_drain.gpu_targets import gpu_mesh
+from jax_drain.planner.schedule import parse_schedule
+from jax_drain.planner.targets import gpu_mesh
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync
-from jax_drain.schedule import parse_schedule
 from jax_drain.sync import local_params
 
 pytestmark = pytest.mark.gpu_compile  # skips without the CUDA PJRT plugin (tests/conftest.py)

@@ -1,12 +1,11 @@
-"""jax_drain.schedule: parsing hand-written and real XLA:GPU scheduled HLO."""
+"""jax_drain.planner.schedule: parsing hand-written and real XLA:GPU scheduled HLO."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_drain.gpu_targets import gpu_mesh
-from jax_drain.schedule import (
+from jax_drain.planner.schedule import (
     Collective,
     expand_op_name,
     parse_schedule,
@@ -14,6 +13,7 @@ from jax_drain.schedule import (
     shape_bytes,
     shape_dtypes,
 )
+from jax_drain.planner.targets import gpu_mesh
 
 
 # Indices below are schedule positions in ENTRY; the comments give them.
@@ -218,7 +218,7 @@ ENTRY %main (p0: bf16[64], p1: bf16[32]) -> (f32[16], f32[16]) {
 
 
 def test_feeding_op_names_attribute_a_combined_unnamed_collective():
-    from jax_drain import plan
+    from jax_drain.planner import plan
 
     sched = parse_schedule(COMBINED)
     a2a, merged = sched.collectives

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jax_drain as jd
 from jax_drain import _compat
 from jax_drain.collectives import STREAM_DEPTH
-from jax_drain.schedule import parse_schedule
+from jax_drain.planner.schedule import parse_schedule
+from jax_drain.planner.targets import gpu_mesh
 
 pytestmark = pytest.mark.gpu_compile  # skips without the CUDA PJRT plugin (tests/conftest.py)
 
@@ -38,7 +39,7 @@ def _loss(p, x):
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jd.gpu_targets.gpu_mesh((N,), ("data",))
+    return gpu_mesh((N,), ("data",))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def test_drain_depth(mesh, order):
 def test_backward_order_saves_memory_on_a_tied_model_with_keys_out_of_forward_order(mesh):
     """The nnx GPT with a tied embedding sorts as blocks/..., embed, ln_f: reverse pytree order
     puts the embedding (ready last) early in the chain, and every bucket after it waits."""
-    from jax_drain import models, plan
+    from jax_drain import models
+    from jax_drain.planner import plan
 
     config = plan.preset_config("tiny-tied", layers=4, d_model=512)
     params, batch = models.abstract_params(config), models.example_batch(config, N)

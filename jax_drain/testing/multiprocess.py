@@ -12,14 +12,14 @@ fp32-accumulated, on a mesh whose outer ``replica`` axis is the process (host) a
 Usage (``n`` = global device count, a multiple of 4)::
 
     # localhost, 2 processes x 4 CPU devices, started, watched and stopped for you:
-    python -m jax_drain._multiprocess_worker --launch 2 --devices-per-process 4 --out /tmp/mp
+    python -m jax_drain.testing.multiprocess --launch 2 --devices-per-process 4 --out /tmp/mp
     # the single-process reference over 8 CPU devices:
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python -m jax_drain._multiprocess_worker --out /tmp/ref
-    python -m jax_drain._multiprocess_worker --compare /tmp/mp/process0.npz /tmp/ref/process0.npz
+        python -m jax_drain.testing.multiprocess --out /tmp/ref
+    python -m jax_drain.testing.multiprocess --compare /tmp/mp/process0.npz /tmp/ref/process0.npz
 
     # several hosts (one process per host, all GPUs of the host), on every host:
-    python -m jax_drain._multiprocess_worker --platform gpu --coordinator HOST0:12345 \\
+    python -m jax_drain.testing.multiprocess --platform gpu --coordinator HOST0:12345 \\
         --num-processes 2 --process-id $RANK --out /shared/mp
 
 Programmatic: ``launch_local(2, 4, out_dir, timeout=240)`` (what tests/test_multiprocess.py
@@ -204,14 +204,14 @@ def launch_local(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding the jax_drain package
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
     procs = []
     logs = []
     for i in range(num_processes):
         log_out, log_err = open(out_dir / f"process{i}.out", "w+"), open(out_dir / f"process{i}.err", "w+")
         logs.append((log_out, log_err))
-        cmd = [sys.executable, "-m", "jax_drain._multiprocess_worker", "--coordinator", f"127.0.0.1:{port}",
+        cmd = [sys.executable, "-m", "jax_drain.testing.multiprocess", "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(num_processes), "--process-id", str(i), "--out", str(out_dir)]
         if i in crash:
             cmd.append("--crash")
@@ -253,7 +253,7 @@ def launch_local(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jax_drain._multiprocess_worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jax_drain.testing.multiprocess", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for process{ID}.npz")
     p.add_argument("--coordinator", help="HOST:PORT of process 0 (omit for a single process)")
     p.add_argument("--num-processes", type=int, default=1)

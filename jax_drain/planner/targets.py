@@ -55,7 +55,7 @@ KNOWN_TARGETS: Mapping[str, str] = types.MappingProxyType(
         "a100": "a100_80gb.pbtxt",
     }
 )
-"""Target name -> GpuTargetConfigProto text file in ``jax_drain/targets/``."""
+"""Target name -> GpuTargetConfigProto text file in ``jax_drain/planner/target_configs/``."""
 
 # One host of this many GPUs is the usual node size (DGX/HGX); used for the default topology.
 GPUS_PER_HOST = 8
@@ -100,7 +100,7 @@ def target_config(name: str) -> str:
         with open(name, encoding="utf-8") as f:
             return f.read()
     filename = KNOWN_TARGETS[_canonical_target(name)]
-    return (importlib.resources.files("jax_drain") / "targets" / filename).read_text("utf-8")
+    return (importlib.resources.files("jax_drain.planner") / "target_configs" / filename).read_text("utf-8")
 
 
 def parse_topology(topology: str | int) -> tuple[int, int, int]:
@@ -188,7 +188,7 @@ def _cached_devices(config_key: str, dims: tuple[int, int, int]) -> tuple[jax.De
             raise
         raise ValueError(
             f"target config {config_key!r} is not valid GpuTargetConfigProto text ({e}); start "
-            "from a shipped one, e.g. jax_drain/targets/h100_80gb.pbtxt"
+            "from a shipped one, e.g. jax_drain/planner/target_configs/h100_80gb.pbtxt"
         ) from e
     return tuple(topo.devices)
 

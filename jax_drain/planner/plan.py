@@ -1,0 +1,657 @@
+"""Plan a training step on XLA's GPU compiler before renting GPUs: memory and schedule.
+
+Compiles a step for compile-only GPU devices (:mod:`jax_drain.planner.targets`) and reports
+XLA's own buffer assignment (``memory_analysis()``) and final schedule (``as_text()``, parsed by
+:mod:`jax_drain.planner.schedule`): temp/argument/output bytes, the gradient-sync collectives with their
+kind, dtype, bytes and devices per group, how many buckets are in flight at once per bucket
+chain (dense ``jax_drain/bucket{k}``, expert ``jax_drain/expert/bucket{k}``; a collective XLA
+combined from several buckets without a name is attributed by what feeds it), whether each
+collective overlaps compute, and an approximate live-bytes curve. :func:`build_mesh_step` builds
+a tensor-parallel HSDP step (``("replica", "data", "model")``) to plan.
+
+Python (``jax_drain.plan`` re-exports this module's public names and the targets')::
+
+    from jax_drain import plan
+
+    report = plan.plan_preset("gpt-blocks", strategy="fp32_accum+drain", num_buckets=24)
+    print(report.table())
+
+    # or any jitted step over a mesh of compile-only devices, with abstract inputs:
+    mesh = plan.gpu_mesh((8,), ("data",))
+    report = plan.plan(step, abstract_params, abstract_batch)
+
+CLI (:mod:`jax_drain.planner.cli`)::
+
+    python -m jax_drain.plan --preset gpt-blocks --strategy fp32_accum+drain --num-buckets 24 \\
+        --json plan.json --plot plan.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_drain import _compat, models
+from jax_drain.collectives import REDUCE_MODES
+from jax_drain.drain import sequenced_map
+from jax_drain.layout import BucketLayout
+from jax_drain.order import grad_ready_order
+from jax_drain.planner.schedule import Collective, Schedule, parse_schedule
+from jax_drain.planner.targets import gpu_mesh, parse_topology
+from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
+from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
+
+#: Baseline strategies; every reduce mode ``m`` adds ``m`` (undrained), ``m+drain`` (one
+#: bucket in flight) and ``m+drainK`` (K buckets in flight).
+BASELINES = ("gspmd", "gspmd+flags", "no_comm")
+
+
+#: Bucket chains of a :class:`GradSync` (dense, expert) or a :class:`ScanGradSync` (the
+#: per-layer buckets inside the backward scan) and the named scope each one's buckets run under.
+CHAIN_SCOPES = {"dense": SCOPE_PREFIX, "expert": EXPERT_SCOPE, "layers": LAYER_SCOPE}
+_CHAIN_OF_SUBSCOPE = {scope.removeprefix(SCOPE_PREFIX + "/"): chain
+                      for chain, scope in CHAIN_SCOPES.items() if scope != SCOPE_PREFIX}
+_CHAIN_BUCKET = re.compile(
+    re.escape(SCOPE_PREFIX) + "/(?:(" + "|".join(map(re.escape, _CHAIN_OF_SUBSCOPE)) + r")/)?bucket(\d+)"
+)
+
+#: (chain, bucket index) that a collective carries, e.g. ``("expert", 0)``.
+BucketRef = tuple[str, int]
+
+
+class PlanError(ValueError):
+    """A step could not be traced, lowered or compiled for the GPU target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How gradients are synchronised: a baseline or a jax_drain reduce mode and drain depth."""
+
+    name: str
+    reduce: str | None = None  # None for baselines
+    max_in_flight: int | None = None  # None: undrained
+
+    @classmethod
+    def parse(cls, name: str) -> "Strategy":
+        """``"gspmd"``, ``"no_comm"``, ``"fp32_accum"``, ``"fp32_accum+drain"``, ``"bf16+drain2"``..."""
+        if name in BASELINES:
+            return cls(name)
+        mode, _, drain = name.partition("+")
+        match = re.fullmatch(r"drain(\d*)", drain)
+        if mode in REDUCE_MODES and (not drain or match):
+            depth = int(match.group(1) or 1) if drain else None
+            if depth is not None and depth < 1:
+                raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
+            return cls(name, mode, depth)
+        known = list(BASELINES) + [f"{m}[+drain[K]]" for m in REDUCE_MODES]
+        raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What XLA's GPU compiler made of one step. Bytes are per device."""
+
+    target: str
+    topology: str
+    num_devices: int
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    compile_s: float
+    collectives: tuple[Collective, ...]  # the sync's (or, without a scope, all) collectives
+    buckets_in_flight: int  # most buckets whose collectives are in flight at once
+    collectives_in_flight: int  # most single collectives in flight at once
+    live_bytes: tuple[int, ...]  # approximate, over the ENTRY schedule (Schedule.live_bytes)
+    num_buckets: int | None = None
+    strategy: str | None = None
+    bucket_size: int | None = None
+    notes: tuple[str, ...] = ()
+    # Per collective (same order): the (chain, bucket) pairs it carries; () when unattributed.
+    collective_buckets: tuple[tuple[BucketRef, ...], ...] = ()
+    # Per bucket chain ("dense", "expert") that has collectives: most of its buckets in flight.
+    chains_in_flight: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
+
+    def buckets_of(self, c: Collective) -> tuple[BucketRef, ...]:
+        """The (chain, bucket) pairs collective ``c`` of this plan carries (several when XLA
+        combined buckets); ``()`` for a collective of no bucket.
+
+        Example::
+
+            >>> [report.buckets_of(c) for c in report.collectives]  # doctest: +SKIP
+            [(('dense', 0),), ..., (('dense', 5), ('expert', 0)), ...]
+        """
+        if self.collective_buckets:
+            return self.collective_buckets[self.collectives.index(c)]
+        return _named_buckets(c.op_names)  # a Plan built by hand, without the schedule
+
+    @property
+    def pairs(self) -> int:
+        """Async start/done pairs among the collectives."""
+        return sum(1 for c in self.collectives if c.done != c.start)
+
+    @property
+    def overlapped(self) -> int:
+        """Of the pairs, how many have compute scheduled between start and done."""
+        return sum(1 for c in self.collectives if c.done != c.start and c.overlapped)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; the field names are stable."""
+        return {
+            "strategy": self.strategy,
+            "target": self.target,
+            "topology": self.topology,
+            "num_devices": self.num_devices,
+            "num_buckets": self.num_buckets,
+            "bucket_size": self.bucket_size,
+            "temp_bytes": self.temp_bytes,
+            "argument_bytes": self.argument_bytes,
+            "output_bytes": self.output_bytes,
+            "pairs": self.pairs,
+            "overlapped": self.overlapped,
+            "buckets_in_flight": self.buckets_in_flight,
+            "chains_in_flight": dict(self.chains_in_flight),
+            "collectives_in_flight": self.collectives_in_flight,
+            "peak_live_bytes": max(self.live_bytes, default=0),
+            "compile_s": round(self.compile_s, 3),
+            "collectives": [
+                {
+                    "kind": c.kind,
+                    "dtype": c.dtype,
+                    "bytes": c.bytes,
+                    "group_size": c.group_size,
+                    # "bucket"/"chain": the first carried; "buckets": all, when XLA combined some.
+                    "bucket": refs[0][1] if (refs := self.buckets_of(c)) else None,
+                    "chain": refs[0][0] if refs else None,
+                    "buckets": [list(r) for r in refs],
+                    "start": c.start,
+                    "done": c.done,
+                    "computation": c.computation,
+                    "overlapped": c.overlapped,
+                    "is_sync": c.is_sync,
+                }
+                for c in self.collectives
+            ],
+            "notes": list(self.notes),
+        }
+
+    def table(self) -> str:
+        """A readable summary and one row per collective."""
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"
+        head = [
+            f"step on {self.num_devices}x {self.target} ({self.topology})"
+            + (f", strategy {self.strategy}" if self.strategy else "")
+            + (f", {self.num_buckets} buckets" if self.num_buckets is not None else ""),
+            f"  temp {mib(self.temp_bytes)}   arguments {mib(self.argument_bytes)}   "
+            f"outputs {mib(self.output_bytes)}   compile {self.compile_s:.1f} s",
+            f"  collectives: {len(self.collectives)} ({self.pairs} async pairs, {self.overlapped} "
+            f"overlap compute); in flight at once: {self.buckets_in_flight} buckets"
+            + (f" ({', '.join(f'{k} {v}' for k, v in self.chains_in_flight.items())})"
+               if len(self.chains_in_flight) > 1 else "")
+            + f", {self.collectives_in_flight} collectives",
+        ]
+        head += [f"  note: {n}" for n in self.notes]
+        rows = [("chain", "bucket", "kind", "dtype", "bytes", "group", "start", "done", "overlap")]
+        for c in self.collectives:
+            by_chain: dict[str, list[int]] = {}
+            for chain, k in self.buckets_of(c):
+                by_chain.setdefault(chain, []).append(k)
+            rows.append((
+                "+".join(by_chain) or "-",
+                "+".join(_ranges(ks) for ks in by_chain.values()) or "-", c.kind, c.dtype, f"{c.bytes:,}",
+                "-" if c.group_size is None else str(c.group_size),
+                str(c.start), str(c.done), "sync" if c.is_sync else ("yes" if c.overlapped else "no"),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        body = ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+        return "\n".join(head + body)
+
+    def plot(self, path: str) -> None:
+        """Writes a PNG: live bytes over the schedule, with each collective's span shaded."""
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.plot([b / 2**20 for b in self.live_bytes], lw=1, color="tab:blue", label="live bytes (approx.)")
+        for c in self.collectives:
+            if c.done != c.start:
+                ax.axvspan(c.start, c.done, color="tab:orange", alpha=0.2, lw=0)
+        ax.axhline(self.temp_bytes / 2**20, color="tab:red", ls="--", lw=1, label="XLA temp bytes")
+        ax.set_xlabel("ENTRY schedule position (shaded: sync collectives in flight)")
+        ax.set_ylabel("MiB per device")
+        ax.set_title(f"{self.strategy or 'step'} on {self.num_devices}x {self.target}")
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _ranges(ks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: a combined collective can carry a whole chain."""
+    parts: list[str] = []
+    for k in sorted(set(ks)):
+        if parts and parts[-1].rpartition("-")[2] == str(k - 1):
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{k}"
+        else:
+            parts.append(str(k))
+    return ",".join(parts)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("plotting needs matplotlib: pip install 'jax_drain[plot]'") from e
+    return plt
+
+
+def _named_buckets(op_names: Sequence[str]) -> tuple[BucketRef, ...]:
+    """The (chain, bucket) pairs named by bucket scopes in ``op_names``, sorted."""
+    refs = {(_CHAIN_OF_SUBSCOPE.get(m.group(1), "dense"), int(m.group(2)))
+            for name in op_names if (m := _CHAIN_BUCKET.search(name))}
+    return tuple(sorted(refs))
+
+
+def _bucket_of(c: Collective) -> int | None:
+    """The first dense bucket a named collective carries (the one-chain form)."""
+    return next((k for chain, k in _named_buckets(c.op_names) if chain == "dense"), None)
+
+
+def collective_buckets(sched: Schedule, c: Collective) -> tuple[BucketRef, ...]:
+    """The (chain, bucket) pairs a collective carries, sorted: from its op names or, when XLA
+    combined collectives into one without a name, from the op names that feed it
+    (:meth:`Schedule.op_names_of`). ``()`` for a collective of no :class:`GradSync` bucket.
+
+    Example::
+
+        >>> collective_buckets(sched, merged)  # doctest: +SKIP
+        (('dense', 5), ('expert', 0))
+    """
+    return _named_buckets(sched.op_names_of(c))
+
+
+def bucket_spans(
+    sched: Schedule, collectives: Sequence[Collective] | None = None, computation: str | None = None
+) -> dict[str, dict[int, tuple[int, int]]]:
+    """Chain -> bucket -> (first start, last end) of the bucket's collectives in one
+    computation (default: ENTRY). A synchronous collective ends at its start; a combined one
+    counts for every bucket it carries.
+
+    Example::
+
+        >>> bucket_spans(sched)["expert"]  # doctest: +SKIP
+        {0: (812, 840), 1: (851, 877)}
+    """
+    computation = computation or sched.entry
+    spans: dict[str, dict[int, tuple[int, int]]] = {}
+    for c in sched.collectives if collectives is None else collectives:
+        if c.computation != computation:
+            continue
+        end = c.start if c.is_sync else c.done
+        for chain, k in collective_buckets(sched, c):
+            s, e = spans.setdefault(chain, {}).get(k, (c.start, end))
+            spans[chain][k] = (min(s, c.start), max(e, end))
+    return spans
+
+
+def max_overlap(spans: Sequence[tuple[int, int]]) -> int:
+    """Most of the inclusive ``(start, end)`` spans that overlap at one position.
+
+    Example::
+
+        >>> max_overlap([(0, 3), (3, 5), (6, 7)])
+        2
+    """
+    events = sorted([(s, 0) for s, _ in spans] + [(e, 1) for _, e in spans])
+    best = live = 0
+    for _, kind in events:  # starts sort before ends at the same index: both inclusive
+        live += 1 if kind == 0 else -1
+        best = max(best, live)
+    return best
+
+
+def _in_flight(sched: Schedule, collectives: Sequence[Collective]) -> tuple[int, dict[str, int]]:
+    """(most buckets in flight at once in any one chain, per chain the most of its buckets).
+
+    Chains run independently (their drains do not wait on each other), so each is bounded on
+    its own. Collectives of no bucket (XLA's own, or everything when planning without a scope)
+    each count as a one-collective bucket of their own group, which bounds the first number too.
+    """
+    per_chain: dict[str, int] = {}
+    loose = 0
+    for comp in dict.fromkeys(c.computation for c in collectives):
+        for chain, spans in bucket_spans(sched, collectives, comp).items():
+            per_chain[chain] = max(per_chain.get(chain, 0), max_overlap(list(spans.values())))
+        loose = max(loose, max_overlap([(c.start, c.start if c.is_sync else c.done) for c in collectives
+                                        if c.computation == comp and not collective_buckets(sched, c)]))
+    ordered = {k: per_chain[k] for k in CHAIN_SCOPES if k in per_chain}
+    return max([loose, *ordered.values()]), ordered
+
+
+def _is_sync_collective(sched: Schedule, c: Collective, scope: str | None) -> bool:
+    """In ``scope`` by op name; an unnamed (combined) collective by what feeds it, when that
+    names a sync bucket."""
+    if scope is None or c.in_scope(scope):
+        return True
+    return not c.op_name and bool(collective_buckets(sched, c)) and any(
+        scope in n for n in sched.feeding_op_names(c))
+
+
+def plan(
+    step: Callable[..., Any],
+    *abstract_args: Any,
+    target: str = "h100",
+    topology: str = "",
+    compiler_options: dict[str, Any] | None = None,
+    scope: str | None = SCOPE_PREFIX,
+    **report_fields: Any,
+) -> Plan:
+    """Compiles ``step(*abstract_args)`` for the GPU target and reports memory and schedule.
+
+    Args:
+        step: a function whose arrays live on a mesh of compile-only GPU devices
+            (:func:`jax_drain.planner.targets.gpu_mesh`); jitted here if it is not already.
+        abstract_args: ``jax.ShapeDtypeStruct`` (or array) pytrees.
+        target, topology: labels for the report (the devices are the mesh's).
+        compiler_options: XLA options for this compile, e.g.
+            ``{"xla_gpu_reduce_scatter_combine_threshold_bytes": 2**26}``.
+        scope: only collectives whose op name contains this are the sync's (and unnamed ones
+            XLA combined from sync buckets, see :func:`collective_buckets`); ``None`` keeps all.
+        report_fields: ``strategy``, ``num_buckets``, ``bucket_size``, ``notes`` for the report.
+    """
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    start = time.perf_counter()
+    try:
+        lowered = jitted.lower(*abstract_args)
+    except Exception as e:
+        raise PlanError(f"could not trace the step: {type(e).__name__}: {e}") from e
+    try:
+        compiled = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
+    except Exception as e:
+        raise PlanError(f"XLA could not compile the step for {target}: {type(e).__name__}: {e}") from e
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    sched = parse_schedule(compiled.as_text())
+    mine = tuple(c for c in sched.collectives if _is_sync_collective(sched, c, scope))
+    buckets_in_flight, chains_in_flight = _in_flight(sched, mine)
+    devices = _step_devices(compiled)
+    return Plan(
+        target=target,
+        topology=topology,
+        num_devices=devices,
+        temp_bytes=int(memory.temp_size_in_bytes),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        compile_s=compile_s,
+        collectives=mine,
+        buckets_in_flight=buckets_in_flight,
+        collectives_in_flight=sched.max_in_flight(lambda c: c in mine),
+        live_bytes=tuple(sched.live_bytes()),
+        collective_buckets=tuple(collective_buckets(sched, c) for c in mine),
+        chains_in_flight=chains_in_flight,
+        **report_fields,
+    )
+
+
+def _step_devices(compiled: Any) -> int:
+    try:
+        return len(jax.tree.leaves(compiled.input_shardings)[0].device_set)
+    except Exception:  # pragma: no cover - a step without array inputs
+        return 1
+
+
+# -- built-in presets: the benchmark's steps --------------------------------------------------
+
+def bucket_size_for(params: Any, num_buckets: int, axis_size: int = 8, order: Sequence[int] | None = None) -> int:
+    """The largest bucket size (elements) that gives at least ``num_buckets`` real buckets.
+
+    Buckets close once they reach the size, so ``total / num_buckets`` can give fewer, larger
+    buckets than asked for; this searches for the size instead (fewer if leaves run out).
+    """
+    count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order).num_buckets
+    total = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+    want = min(num_buckets, count(1))  # count(1): one bucket per leaf, the most possible
+    low, high = 1, max(1, total)
+    while low < high:  # the largest size with count >= want
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if count(mid) >= want else (low, mid - 1)
+    return low
+
+
+def build_step(
+    strategy: Strategy | str,
+    config: models.GPTConfig,
+    mesh: Mesh,
+    axis: str = "data",
+    bucket_size: int | None = None,
+    micro_batch: int = 1,
+) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
+    """A jitted gradient step for ``config`` on ``mesh`` with ``strategy``, its abstract inputs
+    (params, batch) and its sync (``None`` for baselines).
+
+    A scanned preset (``config.scan_layers``) syncs with :class:`ScanGradSync`: each layer's
+    buckets are reduce-scattered inside the backward scan. Its ``no_comm`` floor keeps the
+    stacked gradients and reduces their buckets locally, as the scanned model without
+    jax_drain's in-scan sync would have to.
+    """
+    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    params = models.abstract_params(config)
+    batch = models.example_batch(config, micro_batch * mesh.shape[axis])
+    loss_fn = models.make_loss(config)
+
+    if strategy.name in ("gspmd", "gspmd+flags"):
+        n = mesh.shape[axis]
+        grad_spec = lambda p: P(axis) if p.ndim and p.shape[0] % n == 0 else P()
+        step = jax.jit(
+            jax.grad(loss_fn),
+            in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))),
+            out_shardings=jax.tree.map(lambda p: NamedSharding(mesh, grad_spec(p)), params),
+        )
+        return step, (params, batch), None
+
+    drain = strategy.max_in_flight is not None
+    if config.scan_layers and strategy.name != "no_comm":
+        scan_sync = ScanGradSync(
+            params, mesh, axis=axis, stacked=stacked_leaves(loss_fn, params, batch), bucket_size=bucket_size,
+            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight,
+        )
+        step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
+                                         out_specs=(P(), scan_sync.shard_specs())))
+        return step, (params, batch), scan_sync
+
+    order = grad_ready_order(loss_fn, params, batch)
+    sync = GradSync(
+        params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
+        drain=drain, max_in_flight=strategy.max_in_flight, order=order,
+    )
+    if strategy.name == "no_comm":
+        def local_step(p, b):
+            loss, grads = jax.value_and_grad(loss_fn)(local_params(p, axis), b)
+            loss = jax.lax.pmean(loss, axis)
+            n = sync.axis_size
+            # Each bucket reduced over its own chunks, locally: the sync's work minus the wire.
+            # Drained like the sync, so only the wire is missing from the comparison.
+            shards = sequenced_map(
+                lambda k, bucket: jnp.sum(bucket.reshape(n, -1).astype(jnp.float32), axis=0),
+                sync.flatten(grads), 1,
+            )
+            return loss, shards
+        fn = local_step
+    else:
+        fn = sync.value_and_grad(loss_fn)
+    step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
+    return step, (params, batch), sync
+
+
+def mesh_block_params(layers: int, d_model: int, expert: bool = False, num_experts: int = 4,
+                      dtype: Any = jnp.bfloat16) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """Abstract params of :func:`mesh_block_loss`'s block stack (global shapes).
+
+    Per block ``layer{i}``: a float32 ``norm``, ``w_in`` ``(d, 4d)`` and ``w_out`` ``(4d, d)``
+    in ``dtype``, and with ``expert`` a stack ``experts`` ``(num_experts, d, 2d)``.
+
+    Example::
+
+        >>> mesh_block_params(2, 64)["layer1"]["w_in"].shape
+        (64, 256)
+    """
+    layer = {"w_in": jax.ShapeDtypeStruct((d_model, 4 * d_model), dtype),
+             "w_out": jax.ShapeDtypeStruct((4 * d_model, d_model), dtype),
+             "norm": jax.ShapeDtypeStruct((d_model,), jnp.float32)}
+    if expert:
+        layer["experts"] = jax.ShapeDtypeStruct((num_experts, d_model, 2 * d_model), dtype)
+    return {f"layer{i}": dict(layer) for i in range(layers)}
+
+
+def mesh_block_specs(params: Any, model_axis: str = "model", expert_axis: str = "expert") -> Any:
+    """Megatron tensor-parallel ``PartitionSpec``s for :func:`mesh_block_params`: ``w_in``
+    column-parallel, ``w_out`` row-parallel, experts split over ``expert_axis`` (and their
+    hidden dimension over ``model_axis``), norms replicated.
+
+    Example::
+
+        >>> mesh_block_specs(mesh_block_params(1, 64))["layer0"]["w_out"]
+        P('model', None)
+    """
+    tp = {"w_in": P(None, model_axis), "w_out": P(model_axis, None), "norm": None,
+          "experts": P(expert_axis, None, model_axis)}
+    return {name: {k: tp[k] for k in layer} for name, layer in params.items()}
+
+
+def mesh_block_loss(p: Any, x: jax.Array, expert_axis: str | None = None, model_axis: str = "model") -> jax.Array:
+    """A residual stack of tensor-parallel MLP blocks, per device inside ``shard_map``.
+
+    Each block: ``x -> tanh(norm(x) @ w_in) @ w_out`` with ``w_in`` column- and ``w_out``
+    row-parallel, so one ``psum`` over ``model_axis`` per block (Megatron's MLP). With
+    ``expert_axis``: then tokens go to the ranks along it (all-to-all), through the local
+    expert (its hidden dimension split over ``model_axis``) and back.
+
+    Example::
+
+        >>> loss = lambda p, x: mesh_block_loss(p, x, expert_axis="expert")  # doctest: +SKIP
+    """
+    h = x
+    d = x.shape[-1]
+    for i in range(len(p)):
+        q = p[f"layer{i}"]
+        z = jnp.tanh((h * q["norm"]).astype(q["w_in"].dtype) @ q["w_in"])
+        h = h + jax.lax.psum(z @ q["w_out"], model_axis).astype(h.dtype)
+        if expert_axis:
+            n = _compat.axis_size(expert_axis)
+            blocks = jax.lax.all_to_all(h.astype(q["experts"].dtype).reshape(n, -1, d), expert_axis, 0, 0, tiled=True)
+            y = jnp.einsum("ncd,de->nce", blocks, q["experts"][0])
+            y = jax.lax.psum(y @ q["experts"][0].T, model_axis)
+            h = h + jax.lax.all_to_all(y, expert_axis, 0, 0, tiled=True).reshape(-1, d).astype(h.dtype)
+    return jnp.mean(h ** 2)
+
+
+def build_mesh_step(
+    mesh: Mesh,
+    layers: int = 4,
+    d_model: int = 256,
+    reduce: str = "fp32_accum",
+    drain: bool = True,
+    max_in_flight: int | None = None,
+    bucket_size: int | None = None,
+    expert: bool = False,
+    tokens_per_device: int = 64,
+    outer_axis: str | None = "replica",
+    model_axis: str = "model",
+) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync]:
+    """A jitted gradient step of :func:`mesh_block_loss` on a ``("replica", "data", "model")``
+    mesh (with ``expert``: ``("replica", "data", "expert", "model")``): tensor parallel over
+    ``model_axis``, HSDP (inner reduce-scatter over the data axes, outer all-reduce over
+    ``outer_axis``), expert params in their own chain. Returns the step, its abstract inputs
+    (params, batch) and its :class:`GradSync`, ready for :func:`plan`.
+
+    ``bucket_size`` (elements) defaults to one local ``w_in`` block per bucket.
+
+    Example::
+
+        mesh = gpu_mesh((2, 4, 2), ("replica", "data", "model"), topology="1x2x8")
+        report = plan(*build_mesh_step(mesh, layers=8, d_model=1024)[:2], topology="1x2x8")
+    """
+    missing = [a for a in (outer_axis, model_axis, "data", "expert" if expert else None)
+               if a and a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"build_mesh_step needs mesh axes {missing} (the mesh has {mesh.axis_names}); "
+                         "name them, e.g. gpu_mesh((2, 4, 2), ('replica', 'data', 'model'))")
+    params = mesh_block_params(layers, d_model, expert)
+    if bucket_size is None:
+        bucket_size = 4 * d_model * d_model // mesh.shape[model_axis]
+    chains = dict(axis=("data", "expert"), expert=lambda path: path.endswith("experts"),
+                  expert_axis="data") if expert else {}
+    sync = GradSync(params, mesh, bucket_size=bucket_size, reduce=reduce, drain=drain, max_in_flight=max_in_flight,
+                    outer_axis=outer_axis, param_specs=mesh_block_specs(params, model_axis), **chains)
+    loss = (lambda p, x: mesh_block_loss(p, x, "expert", model_axis)) if expert else \
+        (lambda p, x: mesh_block_loss(p, x, None, model_axis))
+    out_specs = Shards(sync.shard_spec, sync.expert_shard_spec) if expert else sync.shard_spec
+    step = jax.jit(_compat.shard_map(sync.value_and_grad(loss), mesh=mesh,
+                                     in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)))
+    batch = jax.ShapeDtypeStruct((sync.axis_size * sync.outer_size * tokens_per_device, d_model), jnp.float32)
+    return step, (params, batch), sync
+
+
+def plan_preset(
+    preset: str | models.GPTConfig = "gpt-blocks",
+    strategy: str = "fp32_accum+drain",
+    target: str = "h100",
+    topology: str = "1x1x8",
+    bucket_size: int | None = None,
+    num_buckets: int | None = None,
+    micro_batch: int = 1,
+    compiler_options: dict[str, Any] | None = None,
+) -> Plan:
+    """Plans a built-in GPT preset (:mod:`jax_drain.models`) with one strategy.
+
+    Give ``bucket_size`` (elements) or ``num_buckets`` (the report holds the real count).
+    ``"gspmd+flags"`` compiles with XLA's reduce-scatter combine threshold at the bucket's
+    bytes and the latency-hiding scheduler on. XLA keeps one async collective in flight by
+    default; a drain depth K > 1 needs
+    ``compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": K}``.
+    """
+    config = models.preset(preset) if isinstance(preset, str) else preset
+    strat = Strategy.parse(strategy)
+    slices, hosts, gpus = parse_topology(topology)
+    mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=target, topology=topology)
+    params = models.abstract_params(config)
+    if bucket_size is None:
+        order = grad_ready_order(models.make_loss(config), params, models.example_batch(config, mesh.size))
+        bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order)
+    step, args, sync = build_step(strat, config, mesh, bucket_size=bucket_size, micro_batch=micro_batch)
+    options, notes = dict(compiler_options or {}), []
+    if strat.name == "gspmd+flags":
+        itemsize = jnp.dtype(config.param_dtype).itemsize
+        options.setdefault("xla_gpu_reduce_scatter_combine_threshold_bytes", bucket_size * itemsize)
+        options.setdefault("xla_gpu_enable_latency_hiding_scheduler", True)
+    if options:
+        notes.append(f"XLA options {options}")
+    return plan(
+        step, *args, target=target, topology=topology, compiler_options=options or None,
+        scope=None if sync is None else SCOPE_PREFIX,
+        strategy=strat.name, num_buckets=_num_buckets(sync),
+        bucket_size=bucket_size, notes=tuple(notes),
+    )
+
+
+def _num_buckets(sync: GradSync | ScanGradSync | None) -> int | None:
+    if isinstance(sync, ScanGradSync):  # every layer's buckets are buckets of their own
+        return sync.num_layers * len(sync.layer_bucket_sizes) + len(sync.rest_bucket_sizes)
+    return None if sync is None else sync.num_buckets
+
+
+def preset_config(name: str, layers: int | None = None, d_model: int | None = None,
+                  heads: int | None = None, seq: int | None = None,
+                  scan_layers: bool | None = None) -> models.GPTConfig:
+    """A preset with optional overrides of its size (and of whether its blocks are scanned)."""
+    config = models.preset(name)
+    changes = {k: v for k, v in (("num_layers", layers), ("d_model", d_model), ("num_heads", heads),
+                                 ("seq_len", seq), ("scan_layers", scan_layers)) if v is not None}
+    return dataclasses.replace(config, **changes)
