@@ -15,15 +15,23 @@ import jax
 
 AxisName = Hashable
 
-try:  # jax >= 0.4.36
-    from jax.extend.core import Literal
-except ImportError:  # pragma: no cover - older jax
-    from jax.core import Literal  # type: ignore[no-redef]
+from jax.extend.core import Literal  # noqa: E402,F401  (re-exported)
+shard_map = jax.shard_map
 
-try:  # jax >= 0.7
-    shard_map = jax.shard_map
-except AttributeError:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
+
+class MissingJaxInternal(RuntimeError):
+    """A jax internal that a jax_drain check relies on is not where this jax_drain expects it.
+
+    Raised instead of silently switching the check off: install a jax version from
+    jax_drain's supported range (pyproject.toml).
+    """
+
+
+def _missing(what: str) -> MissingJaxInternal:
+    return MissingJaxInternal(
+        f"jax {jax.__version__} has no {what}, which jax_drain needs to check that gradients are "
+        "per-device; install a jax version jax_drain supports (see its pyproject.toml)"
+    )
 
 
 def mark_varying(x: Any, axes: tuple[AxisName, ...]) -> Any:
@@ -32,28 +40,26 @@ def mark_varying(x: Any, axes: tuple[AxisName, ...]) -> Any:
     Differentiating with respect to the varying copy gives per-device gradients; with respect
     to the invariant original, jax's transpose of the implicit cast is a ``psum``.
     """
-    axes = tuple(a for a in axes if a not in varying_axes(x, default=frozenset()))
+    axes = tuple(a for a in axes if a not in varying_axes(x))
     if not axes:
         return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    if hasattr(jax.lax, "pvary"):  # pragma: no cover - jax < 0.10
-        return jax.lax.pvary(x, axes)
-    return x  # pragma: no cover - jax without varying-type tracking
+    return jax.lax.pcast(x, axes, to="varying")
 
 
-def varying_axes(x: Any, default: frozenset | None = None) -> frozenset | None:
-    """The manual mesh axes along which ``x`` varies, or ``default`` when jax does not track it.
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes along which ``x`` varies (jax's varying-manual-axes type).
 
     Inside ``shard_map(..., check_vma=False)`` nothing is tracked and every value looks
     invariant; callers that need certainty also check :func:`vma_checked`.
     """
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
-    vma = getattr(aval, "vma", None)  # jax 0.6 - 0.9
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
     if vma is None:
-        mat = getattr(aval, "mat", None)  # jax >= 0.10
+        mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it in the manual-axis type
         vma = getattr(mat, "varying", None)
-    return frozenset(vma) if vma is not None else default
+    if vma is None:
+        raise _missing("varying-axis type on abstract values (aval.vma / aval.mat.varying)")
+    return frozenset(vma)
 
 
 def vma_checked() -> bool:
@@ -61,12 +67,14 @@ def vma_checked() -> bool:
     from jax._src import config  # private, but the only source of this fact
 
     flag = getattr(config, "_check_vma", None)
-    return bool(flag.value) if flag is not None else False
+    if flag is None:
+        raise _missing("jax._src.config._check_vma flag")
+    return bool(flag.value)
 
 
 def axis_size(axis: AxisName) -> int:
     """Size of a bound mesh axis; raises ``NameError`` outside ``shard_map``."""
-    return jax.lax.axis_size(axis) if hasattr(jax.lax, "axis_size") else jax.lax.psum(1, axis)
+    return jax.lax.axis_size(axis)
 
 
 def bound_axis_sizes() -> dict:
@@ -74,8 +82,8 @@ def bound_axis_sizes() -> dict:
     from jax._src import core
 
     get_env = getattr(core, "get_axis_env", None)
-    if get_env is None:  # pragma: no cover - older jax
-        return {}
+    if get_env is None:
+        raise _missing("jax._src.core.get_axis_env")
     return dict(get_env().axis_sizes)
 
 
@@ -88,11 +96,7 @@ def bind_eqn(eqn: Any, invals: list) -> Any:
 def eqn_context(eqn: Any) -> Iterator[None]:
     """Re-binds under an equation's own name stack and context (as ``eval_jaxpr`` does), so op
     names -- and the ``named_scope``s the planner reads -- survive a jaxpr replay."""
-    try:
-        from jax._src import source_info_util  # private; only for names, so optional
-    except ImportError:  # pragma: no cover - a jax without it
-        yield
-        return
+    from jax._src import source_info_util  # private; only the op names the planner reads
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     ctx = getattr(eqn, "ctx", None)
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):

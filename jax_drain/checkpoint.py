@@ -37,7 +37,7 @@ from jax_drain.optimizer import DistState
 
 PyTree = Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STATE, _META = "state", "jax_drain"
 
 

@@ -90,11 +90,12 @@ def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
     owned = lambda owner: jax.lax.dynamic_index_in_dim(chunks, owner % n, axis=0, keepdims=False)
     accumulators = [owned(rank).astype(jnp.float32)]
     for step in range(1, n):
-        send = owned(rank + step)
-        if step > STREAM_DEPTH:
-            _, send = jax.lax.optimization_barrier((accumulators[step - STREAM_DEPTH], send))
-        received = jax.lax.ppermute(send, axis, perm=[(j, (j + step) % n) for j in range(n)])
-        accumulators.append(accumulators[-1] + received.astype(jnp.float32))
+        with jax.named_scope(f"step{step}"):
+            send = owned(rank + step)
+            if step > STREAM_DEPTH:
+                _, send = jax.lax.optimization_barrier((accumulators[step - STREAM_DEPTH], send))
+            received = jax.lax.ppermute(send, axis, perm=[(j, (j + step) % n) for j in range(n)])
+            accumulators.append(accumulators[-1] + received.astype(jnp.float32))
     return accumulators[-1]
 
 

@@ -101,7 +101,7 @@ def check_leaves(
     return leaves
 
 
-def _check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
+def check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
     order = tuple(int(i) for i in order)
     if sorted(order) != list(range(num_leaves)):
         raise ValueError(
@@ -154,7 +154,7 @@ class BucketLayout:
                     f"leaf {path!r} has dtype {dtype}; only floating-point leaves have gradients "
                     "to synchronise. Split integer/boolean state out of the tree you pass in."
                 )
-        order = tuple(reversed(range(len(leaves)))) if order is None else _check_order(order, len(leaves))
+        order = tuple(reversed(range(len(leaves)))) if order is None else check_order(order, len(leaves))
 
         # One open bucket per dtype; buckets are numbered when they close, which is dispatch order.
         open_buckets: dict[np.dtype, list[int]] = {}

@@ -23,18 +23,22 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_drain._compat import Literal
-
-# Primitives whose body runs once, in line: positions inside them are meaningful.
-_INLINE_CALLS = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_lin"}
-)
+from jax_drain import _compat
+from jax_drain._jaxpr import call_body, is_literal
 
 Position = tuple[int, ...]
 
 
-def grad_ready_order(loss_fn: Callable[..., Any], params: Any, *example_args: Any, has_aux: bool = False) -> tuple[int, ...]:
+def grad_ready_order(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    has_aux: bool = False,
+    mesh: Mesh | None = None,
+    in_specs: Any = None,
+) -> tuple[int, ...]:
     """Leaf indices of ``params`` (``jax.tree.leaves`` order) in the order backward finishes them.
 
     Args:
@@ -42,50 +46,69 @@ def grad_ready_order(loss_fn: Callable[..., Any], params: Any, *example_args: An
             ``has_aux=True``). It is only traced, never run.
         params: arrays or ``jax.ShapeDtypeStruct``s with global shapes.
         example_args: the other arguments, arrays or ``jax.ShapeDtypeStruct``s.
+        mesh, in_specs: trace ``loss_fn`` inside ``jax.shard_map(mesh=mesh, in_specs=in_specs)``
+            (``in_specs`` for ``(params, *example_args)``), for a loss that runs on local blocks
+            and uses collectives (tensor parallel: a ``psum`` over the model axis).
 
     Returns:
         A permutation of ``range(len(jax.tree.leaves(params)))`` to pass as ``GradSync(order=...)``.
     """
-    closed = jax.make_jaxpr(jax.grad(loss_fn, has_aux=has_aux))(params, *example_args)
-    grad_vars = closed.jaxpr.outvars[: len(jax.tree.leaves(params))]
-    positions = _output_positions(closed.jaxpr)
-    ranked = sorted(
-        range(len(grad_vars)),
-        key=lambda i: (positions.get(_var_key(grad_vars[i]), (-1,)), -i),
-    )
+    num_leaves = len(jax.tree.leaves(params))
+    grad = jax.grad(loss_fn, has_aux=has_aux)
+    if mesh is None:
+        closed = jax.make_jaxpr(grad)(params, *example_args)
+        jaxpr, grad_vars = closed.jaxpr, closed.jaxpr.outvars[:num_leaves]
+    else:
+        jaxpr, grad_vars = _traced_in_shard_map(grad, mesh, in_specs, params, example_args, num_leaves, has_aux)
+    positions = _output_positions(jaxpr)
+    ranked = sorted(range(num_leaves), key=lambda i: (positions.get(_var_key(grad_vars[i]), (-1,)), -i))
     return tuple(ranked)
+
+
+def _traced_in_shard_map(
+    grad: Callable, mesh: Mesh, in_specs: Any, params: Any, args: tuple, num_leaves: int, has_aux: bool
+):
+    """The body jaxpr of ``grad`` under ``shard_map`` and its gradient variables."""
+    axes = tuple(mesh.axis_names)
+
+    def body(p, *a):
+        # Every leaf varies along every axis: no psum is inserted and any out_spec is valid.
+        g = grad(jax.tree.map(lambda x: _compat.mark_varying(x, axes), p), *a)
+        g = g[0] if has_aux else g
+        # shard_map outputs need a dimension to split over the mesh.
+        return [x.reshape((1, *x.shape)) for x in jax.tree.leaves(g)[:num_leaves]]
+
+    mapped = _compat.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(axes))
+    closed = jax.make_jaxpr(mapped)(params, *args)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    inner = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+    producers = {out: e for e in inner.eqns for out in e.outvars}
+    grad_vars = []
+    for v in inner.outvars:  # undo the reshape
+        e = None if is_literal(v) else producers.get(v)
+        grad_vars.append(e.invars[0] if e is not None and e.primitive.name == "reshape" else v)
+    return inner, grad_vars
 
 
 def _var_key(v: Any) -> Any:
     # Literals (constant gradients) are never produced by an equation: they are ready first.
-    return None if isinstance(v, Literal) else v
-
-
-def _sub_jaxpr(eqn: Any) -> Any:
-    if eqn.primitive.name not in _INLINE_CALLS:
-        return None
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-    if sub is None or len(sub.outvars) != len(eqn.outvars):
-        return None
-    return sub
+    return None if is_literal(v) else v
 
 
 def _output_positions(jaxpr: Any) -> dict[Any, Position]:
     """Maps each variable defined in ``jaxpr`` to the (nested) position that produces it."""
     positions: dict[Any, Position] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if all(isinstance(v, Literal) for v in eqn.invars):
+        if all(is_literal(v) for v in eqn.invars):
             # A constant (e.g. the zero gradient of an unused leaf, materialised at the end).
             positions.update((out, (-1,)) for out in eqn.outvars)
             continue
-        sub = _sub_jaxpr(eqn)
-        inner = _output_positions(sub) if sub is not None else {}
+        body = call_body(eqn)
+        inner = _output_positions(body[0]) if body is not None else {}
         for k, out in enumerate(eqn.outvars):
             tail: Position = ()
-            if sub is not None:
-                sub_out = sub.outvars[k]
+            if body is not None:
                 # An output that just forwards a sub-input is ready when the call starts.
-                tail = inner.get(_var_key(sub_out), (-1,))
+                tail = inner.get(_var_key(body[0].outvars[k]), (-1,))
             positions[out] = (i, *tail)
     return positions

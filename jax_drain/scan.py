@@ -73,21 +73,21 @@ ZeRO-1 helpers it builds on: any element-wise optax transform applied to the
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jax_drain import _compat
-from jax_drain.collectives import all_gather_bucket, check_mode, reduce_scatter_bucket
-from jax_drain.drain import drain_depth, sequenced_map
-from jax_drain.layout import BucketLayout, check_leaves, leaf_paths
-from jax_drain.mesh import require_bound_axes
-from jax_drain.sync import SCOPE_PREFIX, GradSync
+from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
+from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain
+from jax_drain.collectives import check_mode
+from jax_drain.drain import drain_depth
+from jax_drain.layout import BucketLayout, check_order
+from jax_drain.mesh import as_axes, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
 
@@ -98,10 +98,6 @@ Stacked = PyTree | Callable[[str], bool]
 #: (the non-stacked buckets keep GradSync's ``jax_drain/bucket<j>``).
 LAYER_SCOPE = f"{SCOPE_PREFIX}/layers"
 
-# Call primitives whose body runs once, in line: a scan inside one is found by inlining it.
-_INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
-# jax.checkpoint / remat's primitive, by the names jax versions have given it.
-_REMAT = frozenset({"checkpoint", "remat", "remat2"})
 
 
 class ScanShards(NamedTuple):
@@ -117,7 +113,7 @@ class ScanShards(NamedTuple):
     rest: tuple[jax.Array, ...]
 
 
-class ScanGradSync:
+class ScanGradSync(ChainedSync):
     """Reduce-scatters a scanned model's gradients layer by layer inside the backward scan.
 
     Args:
@@ -139,6 +135,8 @@ class ScanGradSync:
         order: leaf indices of ``params`` in gradient-ready order
             (:func:`jax_drain.grad_ready_order`); it is filtered to the stacked leaves (their
             order within a layer) and to the others. ``None``: reverse leaf order.
+        outer_axis: hierarchical reduction as for :class:`~jax_drain.GradSync`: each shard,
+            per layer inside the loop too, is all-reduced over these axes in float32.
 
     Example::
 
@@ -151,8 +149,8 @@ class ScanGradSync:
         self,
         params: PyTree,
         mesh: Mesh,
-        axis: str = "data",
         *,
+        axis: str = "data",
         stacked: Stacked,
         num_layers: int | None = None,
         bucket_size: int | None = 40_000_000,
@@ -161,21 +159,25 @@ class ScanGradSync:
         average: bool = True,
         order: Sequence[int] | None = None,
         max_in_flight: int | None = None,
+        outer_axis: str | Sequence[str] | None = None,
     ):
+        if not isinstance(axis, str):
+            raise TypeError(f"ScanGradSync reduces over one mesh axis (axis='data'), got {axis!r}")
         if axis not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)}")
         self.mesh = mesh
         self.axis = axis
+        self.axes = (axis,)
+        self.outer_axes = as_axes(outer_axis, "outer_axis", allow_empty=True)
+        self.outer_axis = outer_axis
         self.axis_size = int(mesh.shape[axis])
         self.reduce = check_mode(reduce)
         self.average = bool(average)
         self.drain = bool(drain)
         self.max_in_flight = drain_depth(drain, max_in_flight)
-
-        leaves, self._treedef = jax.tree.flatten(params)
-        self._paths = leaf_paths(params)
-        self._shapes = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
-        mask = _stacked_mask(params, stacked, self._paths)
+        self.placements = tuple(place_leaves(params, mesh, self.axes, self.outer_axes))
+        self._treedef = jax.tree.structure(params)
+        mask = _stacked_mask(params, stacked, [pl.path for pl in self.placements])
         self._stacked = tuple(i for i, m in enumerate(mask) if m)
         self._rest = tuple(i for i, m in enumerate(mask) if not m)
         if not self._stacked:
@@ -185,51 +187,56 @@ class ScanGradSync:
                 "or use jax_drain.GradSync for a model without a scanned layer stack"
             )
         self.num_layers = _check_num_layers(
-            [(self._paths[i], self._shapes[i][0]) for i in self._stacked], num_layers
+            [(self.placements[i].path, self.placements[i].global_shape) for i in self._stacked], num_layers
         )
-
-        if order is not None:
-            order = tuple(int(i) for i in order)
-            if sorted(order) != list(range(len(leaves))):
-                raise ValueError(
-                    f"order must be a permutation of the {len(leaves)} leaf indices of params, "
-                    f"e.g. from jax_drain.grad_ready_order(...); got {list(order)[:16]}"
-                )
-        shard_multiple = math.lcm(self.axis_size, 128)
-
-        def part(keep: Sequence[int], shape_of: Callable[[int], tuple[int, ...]]) -> PyTree:
-            # Leaves outside `keep` become None: they vanish from the subtree's leaves, so its
-            # layout keeps readable paths.
-            kept = set(keep)
-            return jax.tree.unflatten(self._treedef, [
-                jax.ShapeDtypeStruct(shape_of(i), self._shapes[i][1]) if i in kept else None
-                for i in range(len(leaves))
-            ])
-
-        def sub_order(keep: Sequence[int]) -> tuple[int, ...] | None:
-            position = {leaf: k for k, leaf in enumerate(keep)}
-            return None if order is None else tuple(position[i] for i in order if i in position)
-
-        #: Layout of one layer's slice of the stacked leaves (leaf paths as in ``params``).
-        self.layer_layout = BucketLayout.build(
-            part(self._stacked, lambda i: self._shapes[i][0][1:]),
-            bucket_size, shard_multiple=shard_multiple, order=sub_order(self._stacked),
+        order = None if order is None else check_order(order, len(self.placements))
+        chain = lambda name, scope, leaves, layers: build_chain(
+            name, scope, mesh, self.placements, leaves, self.axes, self.outer_axes,
+            bucket_size=bucket_size, order=order, num_layers=layers)
+        #: The bucket chains, dispatch order: one layer's buckets (reduced inside the backward
+        #: scan, shards ``[num_layers, size]``), then the other leaves' (after the loop).
+        self.chains = (chain("layers", LAYER_SCOPE, self._stacked, self.num_layers),) + (
+            (chain("dense", SCOPE_PREFIX, self._rest, None),) if self._rest else ()
         )
-        #: The non-stacked leaves' :class:`~jax_drain.GradSync` (``None`` if every leaf is stacked).
-        self.rest_sync = None
-        if self._rest:
-            self.rest_sync = GradSync(
-                part(self._rest, lambda i: self._shapes[i][0]), mesh, axis, bucket_size=bucket_size,
-                reduce=reduce, drain=drain, average=average, order=sub_order(self._rest),
-                max_in_flight=max_in_flight,
-            )
         self._hook = _make_hook(self._reduce_layer)
+
+    # -- the sync's output type -------------------------------------------------------------
+    @property
+    def _layers(self) -> BucketChain:
+        return self.chains[0]
+
+    @property
+    def _others(self) -> BucketChain | None:
+        return self.chains[1] if len(self.chains) > 1 else None
+
+    def flat_shards(self, shards: ScanShards) -> tuple[jax.Array, ...]:
+        if not isinstance(shards, ScanShards):
+            raise TypeError(
+                f"a ScanGradSync's shards are the ScanShards from sync.value_and_grad / "
+                f"sync.reduce_scatter, got {type(shards).__name__}"
+            )
+        return (*shards.layers, *shards.rest)
+
+    def pack_shards(self, flat: Sequence[Any]) -> ScanShards:
+        flat = tuple(flat)
+        k = self._layers.num_buckets
+        return ScanShards(flat[:k], flat[k:])
 
     # -- layout ---------------------------------------------------------------------------
     @property
     def stacked_paths(self) -> tuple[str, ...]:
         """Paths of the leaves stacked over layers, in ``jax.tree.leaves`` order."""
-        return tuple(self._paths[i] for i in self._stacked)
+        return tuple(self.placements[i].path for i in self._stacked)
+
+    @property
+    def layer_layout(self) -> BucketLayout:
+        """Layout of one layer's slice of the stacked leaves (leaf paths as in ``params``)."""
+        return self._layers.layout
+
+    @property
+    def rest_layout(self) -> BucketLayout | None:
+        """Layout of the non-stacked leaves (``None`` if every leaf is stacked)."""
+        return None if self._others is None else self._others.layout
 
     @property
     def layer_bucket_sizes(self) -> tuple[int, ...]:
@@ -239,27 +246,16 @@ class ScanGradSync:
     @property
     def layer_shard_sizes(self) -> tuple[int, ...]:
         """Elements of each layer bucket one device holds, per layer."""
-        return tuple(size // self.axis_size for size in self.layer_bucket_sizes)
+        return self._layers.shard_sizes
 
     @property
     def rest_bucket_sizes(self) -> tuple[int, ...]:
         """Padded element count of each non-stacked bucket, dispatch order."""
-        return () if self.rest_sync is None else self.rest_sync.bucket_sizes
+        return () if self._others is None else self._others.layout.bucket_sizes
 
     @property
     def rest_shard_sizes(self) -> tuple[int, ...]:
-        return () if self.rest_sync is None else self.rest_sync.shard_sizes
-
-    def shard_specs(self) -> ScanShards:
-        """``PartitionSpec``s of :class:`ScanShards` for ``shard_map``'s ``out_specs``.
-
-        Globally ``layers[k]`` is then ``[num_layers, layer_bucket_sizes[k]]`` split along its
-        second axis, and ``rest[j]`` the whole bucket ``j``.
-        """
-        return ScanShards(
-            layers=tuple(P(None, self.axis) for _ in self.layer_bucket_sizes),
-            rest=tuple(P(self.axis) for _ in self.rest_bucket_sizes),
-        )
+        return () if self._others is None else self._others.shard_sizes
 
     def flatten(self, tree: PyTree, dtype: Any = None) -> ScanShards:
         """Packs a params-shaped tree into whole buckets: the global layout of the shards.
@@ -267,45 +263,14 @@ class ScanGradSync:
         ``layers[k]`` is ``[num_layers, layer_bucket_sizes[k]]``, ``rest[j]`` is 1-D; ``dtype``
         casts every bucket (e.g. ``jnp.float32`` for master weights), ``None`` keeps leaf dtypes.
         """
-        stacked, rest = self._split(self._check_tree(tree, "tree", check_dtypes=dtype is None))
-        layer_tree = self.layer_layout.treedef.unflatten(stacked)
-        layers = jax.vmap(lambda layer: self.layer_layout.flatten(layer, dtype))(layer_tree)
-        rest_buckets = () if self.rest_sync is None else self.rest_sync.flatten(
-            self.rest_sync.layout.treedef.unflatten(rest), dtype)
-        return ScanShards(tuple(layers), tuple(rest_buckets))
-
-    def unflatten(self, buckets: ScanShards) -> PyTree:
-        """Inverse of :meth:`flatten`: e.g. the gradient tree from ``step``'s global shards."""
-        layers, rest = tuple(buckets.layers), tuple(buckets.rest)
-        if len(layers) != len(self.layer_bucket_sizes) or len(rest) != len(self.rest_bucket_sizes):
-            raise ValueError(
-                f"expected {len(self.layer_bucket_sizes)} layer buckets and "
-                f"{len(self.rest_bucket_sizes)} other buckets, got {len(layers)} and {len(rest)}"
-            )
-        for k, (b, size) in enumerate(zip(layers, self.layer_bucket_sizes)):
-            if tuple(b.shape) != (self.num_layers, size):
-                raise ValueError(
-                    f"layer bucket {k} has shape {tuple(b.shape)}, expected ({self.num_layers}, "
-                    f"{size}); pass the global shards (out_specs=sync.shard_specs()), not one device's"
-                )
-        stacked = jax.tree.leaves(jax.vmap(self.layer_layout.unflatten)(layers))
-        rest_leaves = [] if self.rest_sync is None else jax.tree.leaves(self.rest_sync.unflatten(rest))
-        return self._merge(stacked, rest_leaves)
-
-    def check_tree(self, tree: PyTree, what: str = "tree") -> None:
-        """Raises unless ``tree`` has the params' structure, shapes and dtypes (naming the leaf).
-
-        Example::
-
-            sync.check_tree(params, what="params")
-        """
-        self._check_tree(tree, what)
+        leaves = self.check_tree(tree, "tree", check_dtypes=dtype is None)
+        return self.pack_shards([b for chain in self.chains for b in chain.flatten(leaves, dtype)])
 
     def table(self) -> str:
         """One layer's bucket layout and the other leaves' layout, as readable tables."""
         text = f"per layer (x{self.num_layers}, leading axis stripped):\n{self.layer_layout.table()}"
-        if self.rest_sync is not None:
-            text += f"\nother leaves:\n{self.rest_sync.table()}"
+        if self._others is not None:
+            text += f"\nother leaves:\n{self._others.layout.table()}"
         return text
 
     def __repr__(self) -> str:
@@ -325,7 +290,7 @@ class ScanGradSync:
         Call the result inside ``jax.shard_map`` with the replicated ``params`` first:
         ``loss, shards = sync.value_and_grad(loss_fn)(params, batch)``. Gradients are taken
         w.r.t. a per-device view of ``params`` (no hidden all-reduce). ``loss`` is the mean
-        (``average=True``) or sum over ``axis`` of the per-device losses.
+        (``average=True``) or sum over the data axes of the per-device losses.
 
         ``microbatches=k`` splits every array argument after ``params`` along its leading axis
         into ``k`` micro-batches, run one after another; the float32 shards are accumulated and
@@ -334,16 +299,17 @@ class ScanGradSync:
         """
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        loss_axes = self.data_axes
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
-            self._check_inside_shard_map("value_and_grad")
-            leaves = self._check_tree(params, "params")
-            local = [_compat.mark_varying(x, (self.axis,)) for x in leaves]
+            self.require_inside_shard_map("value_and_grad")
+            self.check_tree(params, "params")
+            local = jax.tree.leaves(self.local_params(params))
             if microbatches == 1:
                 (loss, aux), shards = self._value_and_grad_once(loss_fn, has_aux, local, args, kwargs)
             else:
                 (loss, aux), shards = self._accumulate(loss_fn, has_aux, local, args, kwargs, microbatches)
-            loss = jax.lax.pmean(loss, self.axis) if self.average else jax.lax.psum(loss, self.axis)
+            loss = jax.lax.pmean(loss, loss_axes) if self.average else jax.lax.psum(loss, loss_axes)
             return ((loss, aux) if has_aux else loss), shards
 
         return wrapped
@@ -356,74 +322,30 @@ class ScanGradSync:
         memory. Layer buckets are sent last layer first (backward order), all ``num_layers x
         buckets`` collectives in one drain chain, then the non-stacked buckets.
         """
-        self._check_inside_shard_map("reduce_scatter")
-        stacked, rest = self._split(self._check_tree(grads, "grads"))
-        self._check_varying(stacked + rest)
+        self.require_inside_shard_map("reduce_scatter")
+        leaves = self.check_tree(grads, "grads")
+        self.check_varying(leaves)
+        stacked, rest = self._split(leaves)
+        layers_chain = self._layers
         per_layer = [
-            self.layer_layout.flatten(self.layer_layout.treedef.unflatten([g[l] for g in stacked]))
-            for l in reversed(range(self.num_layers))
+            layers_chain.layout.flatten([g[l] for g in stacked]) for l in reversed(range(self.num_layers))
         ]
-        num_buckets = len(self.layer_bucket_sizes)
-        flat = [bucket for layer in per_layer for bucket in layer]
-        reduced = self._reduce_buckets(flat, lambda i: i % num_buckets)
+        num_buckets = layers_chain.num_buckets
+        reduced = layers_chain.reduce_scatter(
+            [bucket for layer in per_layer for bucket in layer], mode=self.reduce, divisor=self._divisor,
+            max_in_flight=self.max_in_flight, bucket_ids=lambda i: i % num_buckets,
+        )
         layers = tuple(
             jnp.stack([reduced[(self.num_layers - 1 - l) * num_buckets + k] for l in range(self.num_layers)])
             for k in range(num_buckets)
         )
         return ScanShards(layers, self._reduce_rest(rest, layers))
 
-    def init_master(self, params: PyTree) -> ScanShards:
-        """This device's float32 slices of the replicated ``params``: optimizer master shards.
-
-        Laid out like the gradient shards, so an element-wise optax transform can update them
-        directly (ZeRO-1). Call inside ``jax.shard_map``; leave it with ``out_specs=shard_specs()``.
-
-        Example (inside ``shard_map``; ``tx = optax.adam(1e-3)``)::
-
-            master = sync.init_master(params)
-            opt_state = tx.init(master)                  # same shard layout
-            loss, grads = sync.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, master)
-            master = optax.apply_updates(master, updates)
-            params = sync.gather_params(master)
-        """
-        self._check_inside_shard_map("init_master")
-        buckets = self.flatten(params, jnp.float32)
-        rank = jax.lax.axis_index(self.axis)
-        take = lambda b, n: jax.lax.dynamic_slice_in_dim(b, rank * n, n, axis=b.ndim - 1)
-        return ScanShards(
-            tuple(take(b, n) for b, n in zip(buckets.layers, self.layer_shard_sizes)),
-            tuple(take(b, n) for b, n in zip(buckets.rest, self.rest_shard_sizes)),
-        )
-
-    def gather_params(self, master: ScanShards) -> PyTree:
-        """The replicated parameter tree (in the parameters' dtypes) from float32 master shards.
-
-        Each shard is cast to its bucket's dtype before the all-gather (narrow wire), layer
-        buckets gathered for all layers at once; the gathers form one chain of depth
-        ``max_in_flight`` (1 when undrained). Call inside ``jax.shard_map``.
-        """
-        self._check_inside_shard_map("gather_params")
-        n, num_layers = self.axis_size, self.num_layers
-        layer_dtypes = [b.dtype for b in self.layer_layout.buckets]
-        rest_dtypes = [] if self.rest_sync is None else [b.dtype for b in self.rest_sync.layout.buckets]
-        shards = [*master.layers, *master.rest]
-        want = [(num_layers, s) for s in self.layer_shard_sizes] + [(s,) for s in self.rest_shard_sizes]
-        if [tuple(s.shape) for s in shards] != want:
-            raise ValueError(f"master shards have shapes {[tuple(s.shape) for s in shards]}, expected {want}")
-
-        def gather(i: int, shard: jax.Array) -> jax.Array:
-            if i >= len(layer_dtypes):
-                return all_gather_bucket(shard, self.axis, dtype=rest_dtypes[i - len(layer_dtypes)])
-            # [L, s] -> 1-D gather of every layer's slice -> [n, L, s] -> [L, n * s].
-            whole = all_gather_bucket(shard.reshape(-1), self.axis, dtype=layer_dtypes[i])
-            return whole.reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
-
-        gathered = sequenced_map(gather, shards, self.max_in_flight or 1)
-        split = len(layer_dtypes)
-        return self.unflatten(ScanShards(tuple(gathered[:split]), tuple(gathered[split:])))
-
     # -- internals --------------------------------------------------------------------------
+    @property
+    def _divisor(self) -> int:
+        return self.data_size if self.average else 1
+
     def _value_and_grad_once(self, loss_fn, has_aux, local, args, kwargs):
         """This device's ``(loss, aux)`` and the shards, the layer scan rewritten (module doc)."""
         flat_args, args_tree = jax.tree.flatten((args, kwargs))
@@ -475,8 +397,10 @@ class ScanGradSync:
             ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
                        tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes)),
         )
-        # The carry has the loop outputs' type: varying along the data axis.
-        init = jax.tree.map(lambda z: _compat.mark_varying(z, (self.axis,)), zeros)
+        # The carry has the loop outputs' type: the loss varies along every data axis, the shards
+        # along ``axis`` (the outer all-reduce makes them equal along ``outer_axis``).
+        init = (_compat.mark_varying(zeros[0], self.data_axes),
+                jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros[1]))
 
         def one(carry, micro):
             total, acc = carry
@@ -490,43 +414,24 @@ class ScanGradSync:
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards."""
-        self._check_varying(list(layer_grads))
-        buckets = self.layer_layout.flatten(self.layer_layout.treedef.unflatten(list(layer_grads)))
-        return self._reduce_buckets(buckets, lambda k: k)
-
-    def _reduce_buckets(self, buckets: Sequence[jax.Array], bucket_id: Callable[[int], int]) -> tuple[jax.Array, ...]:
-        def reduce_one(i: int, bucket: jax.Array) -> jax.Array:
-            with jax.named_scope(f"{LAYER_SCOPE}/bucket{bucket_id(i)}"):
-                return reduce_scatter_bucket(bucket, self.axis, mode=self.reduce, average=self.average)
-
-        return sequenced_map(reduce_one, buckets, self.max_in_flight)
+        self.check_varying(list(layer_grads), indices=self._stacked)
+        buckets = self._layers.layout.flatten(list(layer_grads))
+        return self._layers.reduce_scatter(
+            buckets, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
 
     def _reduce_rest(self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        if self.rest_sync is None:
+        others = self._others
+        if others is None:
             return ()
         rest_grads = list(rest_grads)
+        self.check_varying(rest_grads, indices=self._rest)
         if self.drain:
             # Start the non-stacked buckets only once the layer loop's shards exist, so no
             # collective stays in flight across the loop (the drain's one-at-a-time bound).
             _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
-        return self.rest_sync.reduce_scatter(self.rest_sync.layout.treedef.unflatten(rest_grads))
-
-    def _check_varying(self, grads: Sequence[jax.Array]) -> None:
-        if not _compat.vma_checked():
-            return
-        invariant = [g for g in grads if self.axis not in (_compat.varying_axes(g) or ())]
-        if invariant:
-            raise ValueError(
-                f"gradients that do not vary along {self.axis!r} reached the reduce-scatter: they "
-                "were already all-reduced (jax.grad w.r.t. replicated params inside shard_map "
-                "inserts a psum). Use sync.value_and_grad(loss_fn), or differentiate w.r.t. "
-                "jax_drain.local_params(params, axis)."
-            )
-
-    def _check_tree(self, tree: PyTree, what: str, check_dtypes: bool = True) -> list:
-        expected = [(path, shape, dtype) for path, (shape, dtype) in zip(self._paths, self._shapes)]
-        return check_leaves(tree, self._treedef, expected, what, "the params this ScanGradSync was built with",
-                            check_dtypes)
+        return others.reduce_scatter(
+            others.layout.flatten(rest_grads), mode=self.reduce, divisor=self._divisor,
+            max_in_flight=self.max_in_flight)
 
     def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
         return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]
@@ -539,11 +444,6 @@ class ScanGradSync:
             out[i] = x
         return out
 
-    def _merge(self, stacked: Sequence[Any], rest: Sequence[Any]) -> PyTree:
-        return jax.tree.unflatten(self._treedef, self._merge_leaves(stacked, rest))
-
-    def _check_inside_shard_map(self, method: str) -> None:
-        require_bound_axes(f"ScanGradSync.{method}", self.mesh, (self.axis,))
 
 def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: Any) -> PyTree:
     """Which leaves of ``params`` a ``scan`` in ``loss_fn`` takes as scanned inputs (``xs``).
@@ -635,9 +535,9 @@ class _ScanRewriter:
         paths = self.sync.stacked_paths
         if name == "scan":
             return self._scan(eqn, invals, hits)
-        if name in _INLINE_CALLS:
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+        body = call_body(eqn, PLAIN_CALLS)
+        if body is not None:
+            jaxpr, consts = body
             inner_tracked = {jaxpr.invars[k]: j for k, j in hits}
             outs = self.eval(jaxpr, consts, invals, inner_tracked)
             for outer, v in zip(eqn.outvars, jaxpr.outvars):
@@ -645,7 +545,7 @@ class _ScanRewriter:
                     tracked[outer] = inner_tracked[v]
             return outs
         leaf = paths[hits[0][1]]
-        is_remat = name in _REMAT
+        is_remat = name in REMAT
         hint = (
             "put the remat inside the scan body (e.g. nnx.remat / jax.checkpoint on the block), not "
             "around the whole scan" if is_remat else
@@ -724,9 +624,8 @@ def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
         if name == "scan":
             first_xs = sum(_compat.scan_counts(eqn.params))
             found.update(i for k, i in operands if k >= first_xs)
-        elif name in _INLINE_CALLS:
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            inner = getattr(inner, "jaxpr", inner)
+        elif (body := call_body(eqn, PLAIN_CALLS)) is not None:
+            inner = body[0]
             _find_scanned(inner, {inner.invars[k]: i for k, i in operands}, found)
 
 

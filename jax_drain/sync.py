@@ -40,27 +40,19 @@ Example (MoE on ``("data", "expert")``: experts sharded over ``expert``)::
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.collectives import all_reduce_shard, check_mode, reduce_scatter_bucket
-from jax_drain.drain import drain_depth, sequenced_map
-from jax_drain.layout import BucketLayout
-from jax_drain.mesh import (
-    AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, mesh_order, place_leaves, require_bound_axes,
-)
+from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain
+from jax_drain.collectives import check_mode
+from jax_drain.drain import drain_depth
+from jax_drain.layout import BucketLayout, check_order
+from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, place_leaves
 
 PyTree = Any
-
-#: Prefix of the ``jax.named_scope`` around each bucket's collectives; the planner finds the
-#: sync's collectives in compiled HLO by this name. Dense bucket ``k``: ``jax_drain/bucket{k}``.
-SCOPE_PREFIX = "jax_drain"
 
 #: Scope of the expert chain's buckets: ``jax_drain/expert/bucket{k}`` (``k`` numbers the expert
 #: chain's own buckets). It does not contain ``jax_drain/bucket``, so dense-chain filters skip it.
@@ -78,18 +70,7 @@ class Shards(NamedTuple):
     expert: tuple[jax.Array, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """One drained bucket chain: its layout, the leaves it holds and the axes it reduces over."""
-
-    scope: str  # bucket k's collectives run under f"{scope}/bucket{k}"
-    layout: BucketLayout
-    leaves: tuple[int, ...]  # full-tree leaf index of the layout's leaf i
-    axes: tuple[str, ...]  # inner reduce-scatter axes
-    size: int  # devices along ``axes``
-
-
-class GradSync:
+class GradSync(ChainedSync):
     """Reduce-scatters a gradient pytree in buckets over data-parallel mesh axes.
 
     Args:
@@ -141,6 +122,7 @@ class GradSync:
         self,
         params: PyTree,
         mesh: Mesh,
+        *,
         axis: AxisSpec = "data",
         bucket_size: int | None = 40_000_000,
         reduce: str = "fp32_accum",
@@ -148,7 +130,6 @@ class GradSync:
         average: bool = True,
         order: Sequence[int] | None = None,
         max_in_flight: int | None = None,
-        *,
         param_specs: PyTree | None = None,
         outer_axis: AxisSpec = None,
         expert: ExpertSpec = None,
@@ -174,47 +155,44 @@ class GradSync:
         self.average = bool(average)
         self.drain = bool(drain)
         self.max_in_flight = drain_depth(drain, max_in_flight)
-
         self._treedef = jax.tree.structure(params)
-        local = jax.tree.unflatten(
-            self._treedef, [jax.ShapeDtypeStruct(pl.local_shape, pl.dtype) for pl in self.placements]
-        )
-        self.local_shapes: PyTree = local  #: ``jax.ShapeDtypeStruct`` tree of per-device blocks
+        order = None if order is None else check_order(order, len(self.placements))
+
+        dense = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
         expert_idx = tuple(i for i, pl in enumerate(self.placements) if pl.expert)
-        # With expert params: a one-bucket layout of the whole tree, to check grads trees (and
-        # to validate ``order``) before they are split between the two chains.
-        self._whole = None if not expert_idx else BucketLayout.build(local, None, 1, order)
-        if not expert_idx:
-            layout = BucketLayout.build(
-                local, bucket_size, shard_multiple=math.lcm(self.axis_size, 128), order=order
-            )
-            self._dense = _Chain(SCOPE_PREFIX, layout, tuple(range(len(self.placements))), axes, self.axis_size)
-            self._expert: _Chain | None = None
-        else:
-            dense_idx = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
-            expert_size = axes_size(mesh, self.expert_axes)
-            self._dense = self._sub_chain(SCOPE_PREFIX, dense_idx, axes, self.axis_size, bucket_size, order)
-            self._expert = self._sub_chain(
-                EXPERT_SCOPE, expert_idx, self.expert_axes, expert_size, bucket_size, order
-            )
+        chain = lambda name, scope, leaves, axes: build_chain(
+            name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order)
+        chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
+        if expert_idx:
+            chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))
+        #: The bucket chains, dispatch order: dense, then expert (if any).
+        self.chains: tuple[BucketChain, ...] = tuple(chains)
 
-    def _sub_chain(
-        self, scope: str, indices: tuple[int, ...], axes: tuple[str, ...], size: int,
-        bucket_size: int | None, order: Sequence[int] | None,
-    ) -> _Chain:
-        """A chain over some leaves: a layout of the list of their local shapes, real paths kept."""
-        local = jax.tree.leaves(self.local_shapes)
-        position = {leaf: j for j, leaf in enumerate(indices)}
-        full_order = tuple(reversed(range(len(local)))) if order is None else tuple(order)
-        sub_order = [position[i] for i in full_order if i in position]
-        layout = BucketLayout.build(
-            [local[i] for i in indices], bucket_size, shard_multiple=math.lcm(size, 128), order=sub_order
-        )
-        # Slots keep their index into `indices` (the layout's own tree) but show the real path.
-        slots = tuple(dataclasses.replace(s, path=self.placements[indices[s.index]].path) for s in layout.slots)
-        return _Chain(scope, dataclasses.replace(layout, slots=slots), indices, axes, size)
+    # -- the sync's output type -------------------------------------------------------------
+    @property
+    def _dense(self) -> BucketChain:
+        return self.chains[0]
 
-    # -- layout ---------------------------------------------------------------------------
+    @property
+    def _expert(self) -> BucketChain | None:
+        return self.chains[1] if len(self.chains) > 1 else None
+
+    def flat_shards(self, shards: Sequence[jax.Array] | Shards) -> tuple[jax.Array, ...]:
+        if self._expert is None:
+            return tuple(shards)
+        if not (isinstance(shards, tuple) and len(shards) == 2):
+            raise ValueError("this sync has expert params: pass Shards(dense, expert)")
+        dense, expert = shards
+        return (*dense, *expert)
+
+    def pack_shards(self, flat: Sequence[Any]) -> tuple[Any, ...] | Shards:
+        flat = tuple(flat)
+        if self._expert is None:
+            return flat
+        k = self._dense.num_buckets
+        return Shards(flat[:k], flat[k:])
+
+    # -- layout -----------------------------------------------------------------------------
     @property
     def layout(self) -> BucketLayout:
         """The dense chain's layout. Without expert params it covers the whole params tree;
@@ -238,7 +216,7 @@ class GradSync:
 
     @property
     def num_buckets(self) -> int:
-        return self._dense.layout.num_buckets
+        return self._dense.num_buckets
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
@@ -248,16 +226,16 @@ class GradSync:
     @property
     def shard_sizes(self) -> tuple[int, ...]:
         """Elements of each (dense) bucket held by one device after the reduce-scatter."""
-        return tuple(size // self.axis_size for size in self.bucket_sizes)
+        return self._dense.shard_sizes
 
     @property
     def expert_axis_size(self) -> int:
         """Devices along ``expert_axis`` (1 without experts)."""
-        return 1 if self._expert is None else self._expert.size
+        return 1 if self._expert is None else self._expert.axis_size
 
     @property
     def num_expert_buckets(self) -> int:
-        return 0 if self._expert is None else self._expert.layout.num_buckets
+        return 0 if self._expert is None else self._expert.num_buckets
 
     @property
     def expert_bucket_sizes(self) -> tuple[int, ...]:
@@ -267,18 +245,7 @@ class GradSync:
     @property
     def expert_shard_sizes(self) -> tuple[int, ...]:
         """Elements of each expert bucket held by one device after the reduce-scatter."""
-        return tuple(size // self.expert_axis_size for size in self.expert_bucket_sizes)
-
-    @property
-    def param_specs(self) -> PyTree:
-        """The ``PartitionSpec`` of every param (``P()`` if replicated): ``shard_map`` in_specs."""
-        return jax.tree.unflatten(self._treedef, [pl.spec for pl in self.placements])
-
-    @property
-    def batch_spec(self) -> PartitionSpec:
-        """A batch split over all data-parallel devices: ``P((*outer_axes, *axes))``."""
-        axes = self.outer_axes + self.axes
-        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+        return () if self._expert is None else self._expert.shard_sizes
 
     @property
     def shard_spec(self) -> PartitionSpec:
@@ -288,41 +255,18 @@ class GradSync:
         Example: mesh ``("replica", "data", "model")`` with TP params -> ``P(("model", "data"))``:
         the global array of bucket ``k`` is model rank 0's whole bucket, then rank 1's.
         """
-        return self._chain_spec(self._dense)
+        return self._dense.shard_spec
 
     @property
     def expert_shard_spec(self) -> PartitionSpec | None:
         """``out_specs`` for the expert shards (see :attr:`shard_spec`), or ``None``."""
-        return None if self._expert is None else self._chain_spec(self._expert)
-
-    def _chain_spec(self, chain: _Chain) -> PartitionSpec:
-        sharded = [a for i in chain.leaves for a in self.placements[i].spec_axes]
-        axes = mesh_order(self.mesh, [a for a in sharded if a not in chain.axes]) + chain.axes
-        return PartitionSpec(axes[0] if len(axes) == 1 else (axes or None))
+        return None if self._expert is None else self._expert.shard_spec
 
     def flatten(self, tree: PyTree, dtype: Any = None) -> tuple[jax.Array, ...] | Shards:
         """Packs a params/grads-shaped tree (local blocks) into padded 1-D buckets (see
         ``BucketLayout.flatten``); a :class:`Shards` of both chains' buckets with expert params."""
-        if self._expert is None:
-            return self._dense.layout.flatten(tree, dtype)
-        leaves = self._whole.check_tree(tree, check_dtypes=dtype is None)
-        return Shards(
-            self._dense.layout.flatten([leaves[i] for i in self._dense.leaves], dtype),
-            self._expert.layout.flatten([leaves[i] for i in self._expert.leaves], dtype),
-        )
-
-    def unflatten(self, buckets: Sequence[jax.Array] | Shards) -> PyTree:
-        """Inverse of :meth:`flatten` (takes whole buckets; a ``(dense, expert)`` pair with experts)."""
-        if self._expert is None:
-            return self._dense.layout.unflatten(buckets)
-        if len(buckets) != 2:
-            raise ValueError("this sync has expert params: pass Shards(dense_buckets, expert_buckets)")
-        dense, expert = buckets
-        leaves: list[Any] = [None] * len(self.placements)
-        for chain, part in ((self._dense, dense), (self._expert, expert)):
-            for i, leaf in zip(chain.leaves, chain.layout.unflatten(part)):
-                leaves[i] = leaf
-        return jax.tree.unflatten(self._treedef, leaves)
+        leaves = self.check_tree(tree, check_dtypes=dtype is None, local=True)
+        return self.pack_shards([b for chain in self.chains for b in chain.flatten(leaves, dtype)])
 
     def table(self) -> str:
         """The bucket layout as a readable table (both chains with expert params)."""
@@ -350,53 +294,19 @@ class GradSync:
         1-D float32 array per bucket (dispatch order): this device's ``bucket_sizes[i] //
         axis_size`` elements of the summed (or averaged) bucket, all-reduced over
         ``outer_axis`` if given. With expert params: :class:`Shards` ``(dense, expert)``.
+        Each chain is drained on its own (Megatron links dense and expert buckets separately).
         """
-        self._check_inside_shard_map("reduce_scatter")
-        whole = self._dense.layout if self._expert is None else self._whole
-        leaves = whole.check_tree(grads, what="grads")
-        self._check_varying(leaves)
-        if self._expert is None:
-            return self._run_chain(self._dense, self._dense.layout.flatten(grads))
-        buckets = self.flatten(grads)
-        return Shards(self._run_chain(self._dense, buckets.dense), self._run_chain(self._expert, buckets.expert))
-
-    def _run_chain(self, chain: _Chain, buckets: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """Reduces ``chain``'s buckets in dispatch order, drained to ``max_in_flight``."""
-
-        def reduce_one(k: int, bucket: jax.Array) -> jax.Array:
-            with jax.named_scope(f"{chain.scope}/bucket{k}"):
-                return self._reduce_bucket(bucket, chain)
-
-        return sequenced_map(reduce_one, buckets, self.max_in_flight)
-
-    def _reduce_bucket(self, bucket: jax.Array, chain: _Chain) -> jax.Array:
-        dp_size = self.axis_size * self.outer_size  # the mean is over every data-parallel device
-        if not self.outer_axes and chain.size == dp_size and chain.axes == self.axes:
-            # The plain data-parallel case, exactly as before: one collective per bucket.
-            return reduce_scatter_bucket(bucket, self.axis, mode=self.reduce, average=self.average)
-        if chain.axes:
-            axis = chain.axes[0] if len(chain.axes) == 1 else chain.axes
-            shard = reduce_scatter_bucket(bucket, axis, mode=self.reduce, average=False)
-        else:  # experts sharded along every data axis: nothing to reduce-scatter
-            shard = bucket.astype(jnp.float32)
-        if self.outer_axes:
-            outer = self.outer_axes[0] if len(self.outer_axes) == 1 else self.outer_axes
-            # bf16 mode: the outer sum on the wire in the gradient dtype too (Megatron's baseline).
-            wire = bucket.dtype if self.reduce == "bf16" else jnp.float32
-            shard = all_reduce_shard(shard, outer, wire_dtype=wire)
-        return shard / dp_size if self.average and dp_size > 1 else shard
-
-    def local_params(self, params: PyTree) -> PyTree:
-        """Per-device views of ``params`` (local blocks) for ``jax.grad`` inside ``shard_map``:
-        each leaf marked varying along the data axes its gradient is reduced over (no
-        communication), so differentiating gives local gradients instead of all-reduced ones.
-        Tensor-parallel axes are left alone: jax's own transpose sums what must be summed there.
-        """
-        leaves = self._treedef.flatten_up_to(params)
-        marked = [
-            _compat.mark_varying(p, pl.reduce_axes + self.outer_axes) for p, pl in zip(leaves, self.placements)
-        ]
-        return jax.tree.unflatten(self._treedef, marked)
+        self.require_inside_shard_map("reduce_scatter")
+        leaves = self.check_tree(grads, what="grads", local=True)
+        self.check_varying(leaves)
+        # The mean is over every data-parallel device, for expert params too (see ``average``).
+        divisor = self.data_size if self.average else 1
+        return self.pack_shards([
+            shard
+            for chain in self.chains
+            for shard in chain.reduce_scatter(
+                chain.flatten(leaves), mode=self.reduce, divisor=divisor, max_in_flight=self.max_in_flight)
+        ])
 
     def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning reduce-scattered gradient shards.
@@ -410,7 +320,7 @@ class GradSync:
         loss_axes: Any = self.axis if not self.outer_axes else self.outer_axes + self.axes
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
-            self._check_inside_shard_map("value_and_grad")
+            self.require_inside_shard_map("value_and_grad")
             out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(
                 self.local_params(params), *args, **kwargs
             )
@@ -421,31 +331,6 @@ class GradSync:
 
         return wrapped
 
-    def _check_varying(self, leaves: list) -> None:
-        if not _compat.vma_checked():
-            return
-        missing: dict[str, list[str]] = {}
-        for pl, g in zip(self.placements, leaves):
-            varying = _compat.varying_axes(g) or ()
-            for a in pl.reduce_axes + self.outer_axes:
-                if a not in varying:
-                    missing.setdefault(a, []).append(pl.path)
-        if missing:
-            axis, paths = next(iter(missing.items()))
-            raise ValueError(
-                f"grads {paths[:4]}{'...' if len(paths) > 4 else ''} do not vary along {axis!r}: "
-                "they were already all-reduced (jax.grad w.r.t. replicated params inside shard_map "
-                "inserts a psum), or the batch is not split along it. Use "
-                "sync.value_and_grad(loss_fn), or differentiate w.r.t. sync.local_params(params), "
-                f"with the batch split over {self.batch_spec}."
-            )
-
-    def _check_inside_shard_map(self, method: str) -> None:
-        spec_axes = tuple(a for pl in self.placements for a in pl.spec_axes)
-        needed = mesh_order(self.mesh, self.axes + self.outer_axes + self.expert_axes + spec_axes)
-        # The data axes first: outside shard_map, the error names them rather than every axis.
-        require_bound_axes(f"GradSync.{method}", self.mesh, self.axes)
-        require_bound_axes(f"GradSync.{method}", self.mesh, needed)
 
 def local_params(params: PyTree, axis: AxisSpec) -> PyTree:
     """A per-device view of replicated ``params`` inside ``shard_map`` (no communication).

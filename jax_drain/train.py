@@ -1,12 +1,16 @@
-"""A data-parallel train step for ``flax.nnx`` models (or any params pytree), in a few lines.
+"""A sharded train step for ``flax.nnx`` models (or any params pytree), in a few lines.
 
-:func:`make_train_step` puts :class:`~jax_drain.GradSync` and
-:class:`~jax_drain.DistributedOptimizer` together into one jitted step over a mesh: the global
-batch is split over the data axis, each device accumulates its local gradients over
-``microbatches`` micro-batches (float32 by default), the buckets are reduce-scattered once per
-step, the optimizer updates this device's shards and the new parameters are all-gathered.
+:func:`make_train_step` puts a gradient sync (:class:`~jax_drain.GradSync`, or
+:class:`~jax_drain.ScanGradSync` for a scanned layer stack) and
+:class:`~jax_drain.DistributedOptimizer` together into one jitted ``shard_map`` step over a
+mesh: the global batch is split over the data-parallel axes, each device accumulates its local
+gradients over ``microbatches`` micro-batches (float32 by default), the buckets are
+reduce-scattered once per step, the optimizer updates this device's shards and the new
+parameters are all-gathered. The bucket order is the traced gradient-ready order
+(:func:`jax_drain.grad_ready_order`): from ``example_batch``, or else from the first batch the
+step is called with.
 
-Example (``flax.nnx``)::
+Example (``flax.nnx``, data parallel)::
 
     import optax, jax_drain as jd
     from jax_drain.models import GPT, GPTConfig
@@ -21,13 +25,25 @@ Example (``flax.nnx``)::
         state, loss = step(state, batch)
     step.update_model(model, state)       # copy the trained parameters back into the model
 
-Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block parameters): pass
-``TrainConfig(scan_layers=True)`` and an ``example_batch``; the stacked leaves are found from
-the loss (:func:`jax_drain.stacked_leaves`) and a :class:`~jax_drain.ScanGradSync`
-reduce-scatters each layer's gradient inside the backward scan::
+Every mesh :class:`~jax_drain.GradSync` supports: ``TrainConfig(axis=..., outer_axis=...,
+param_specs=..., expert=..., expert_axis=...)`` mean what they mean there. ``loss_fn`` then runs
+inside ``shard_map`` on local parameter blocks, so a tensor-parallel loss does its own ``psum``
+over the model axis::
 
-    step = jd.make_train_step(scanned_model, lambda m, b: m.loss(b), tx, mesh,
-                              jd.TrainConfig(scan_layers=True, microbatches=2), example_batch=first_batch)
+    mesh = jax.make_mesh((2, 2, 2), ("replica", "data", "model"))
+    specs = {"w_in": P(None, "model"), "w_out": P("model", None), "norm": None}
+
+    def loss_fn(p, batch):                # p["w_in"]: [d, h / 2] on each model rank
+        h = jax.nn.relu(batch["x"] @ p["w_in"])
+        y = jax.lax.psum(h @ p["w_out"], "model")
+        return jnp.mean((y * p["norm"] - batch["y"]) ** 2)
+
+    step = jd.make_train_step(params, loss_fn, jd.adamw(1e-3, mask=decay_mask), mesh,
+                              jd.TrainConfig(axis="data", outer_axis="replica", param_specs=specs))
+
+Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block parameters): pass
+``TrainConfig(scan_layers=True)`` and an ``example_batch``; a :class:`~jax_drain.ScanGradSync`
+reduce-scatters each layer's gradient inside the backward scan.
 
 For ``flax.linen`` (or plain functions) pass the params pytree and ``loss_fn(params, batch)``::
 
@@ -49,11 +65,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain.layout import leaf_paths
-from jax_drain.optimizer import DistributedOptimizer, DistState, _layout_mismatch
+from jax_drain.chain import ChainedSync
+from jax_drain.layout import check_leaves, leaf_paths
+from jax_drain.mesh import AxisSpec, ExpertSpec, as_axes, axes_size, check_mesh_axes, leaf_specs
+from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, stacked_leaves
-from jax_drain.sync import GradSync, local_params
+from jax_drain.sync import GradSync
 
 PyTree = Any
 
@@ -63,20 +81,23 @@ class TrainConfig:
     """How :func:`make_train_step` syncs, accumulates and updates.
 
     Attributes:
-        axis: the data-parallel mesh axis (the batch is split over it).
-        bucket_size, reduce, drain, max_in_flight: passed to :class:`~jax_drain.GradSync`.
+        axis, outer_axis, param_specs, expert, expert_axis: the mesh declarations, as for
+            :class:`~jax_drain.GradSync`: the data-parallel axis (or axes) buckets are
+            reduce-scattered over, the outer (HSDP) axes shards are then all-reduced over, the
+            tensor/expert-parallel ``PartitionSpec`` of each parameter, and which parameters are
+            experts with the axes their gradients are reduced over. The batch is split over
+            ``outer_axis`` and ``axis``.
+        bucket_size, reduce, drain, max_in_flight: passed to the sync.
         microbatches: local gradient accumulation steps per optimizer step; the per-device batch
             is split into this many equal micro-batches and the buckets are synced once.
         accum_dtype: dtype of the local gradient accumulator (``None``: the gradients' own dtype,
             e.g. bf16). The mean gradient is cast to the parameter dtype before the sync. Not
             used with ``scan_layers``: there the float32 shards are accumulated.
         scan_layers: ``True``: the model runs its blocks under a scan over stacked parameters;
-            use a :class:`~jax_drain.ScanGradSync` (needs ``example_batch`` to find the stacked
-            leaves). With ``microbatches=k`` every micro-batch is reduce-scattered inside its
-            own backward scan and the float32 shards are accumulated (``k`` syncs per step;
-            see :mod:`jax_drain.scan`). ``None``: do so iff the loss scans over parameters
-            (traced from ``example_batch``; without one, ``False``). ``False``: a
-            :class:`~jax_drain.GradSync` over whole leaves.
+            use a :class:`~jax_drain.ScanGradSync` (the stacked leaves are found by tracing the
+            loss). With ``microbatches=k`` every micro-batch is reduce-scattered inside its own
+            backward scan and the float32 shards are accumulated (see :mod:`jax_drain.scan`).
+            ``None``: do so iff the loss scans over parameters. ``False``: whole leaves.
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
@@ -84,9 +105,10 @@ class TrainConfig:
     Example::
 
         TrainConfig(bucket_size=10_000_000, reduce="fp32_accum", microbatches=4)
+        TrainConfig(axis="data", outer_axis="replica", param_specs={"w": P(None, "model")})
     """
 
-    axis: str = "data"
+    axis: AxisSpec = "data"
     bucket_size: int | None = 40_000_000
     reduce: str = "fp32_accum"
     drain: bool = True
@@ -96,6 +118,10 @@ class TrainConfig:
     gather_max_in_flight: int | str | None = "sync"
     donate: bool = True
     scan_layers: bool | None = False
+    outer_axis: AxisSpec = None
+    param_specs: PyTree | None = None
+    expert: ExpertSpec = None
+    expert_axis: AxisSpec = None
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -108,22 +134,42 @@ class TrainConfig:
             if not jnp.issubdtype(dtype, jnp.floating):
                 raise ValueError(f"accum_dtype must be a floating dtype or None, got {dtype}")
             object.__setattr__(self, "accum_dtype", dtype)
+        as_axes(self.axis, "axis")
+        as_axes(self.outer_axis, "outer_axis", allow_empty=True)
+        if self.scan_layers is True and (self.param_specs is not None or self.expert is not None
+                                         or not isinstance(self.axis, str)):
+            raise ValueError(
+                "scan_layers=True syncs with ScanGradSync, which reduces over one data axis (and "
+                "outer_axis) and supports neither param_specs (tensor parallel) nor expert params "
+                "yet: unroll the layers (scan_layers=False) on such a mesh"
+            )
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: ``outer_axis`` then ``axis``."""
+        return as_axes(self.outer_axis, "outer_axis", allow_empty=True) + as_axes(self.axis, "axis")
 
 
 class TrainState(NamedTuple):
-    """Everything a step reads and writes: replicated params, sharded optimizer state, step."""
+    """Everything a step reads and writes: parameters (replicated over the data axes, sharded by
+    ``param_specs``), sharded optimizer state, step count.
+
+    ``opt_state`` is ``None`` from :meth:`TrainStep.init` only when the step was built without
+    ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
+    """
 
     params: PyTree
-    opt_state: DistState
+    opt_state: DistState | None
     step: jax.Array  # int32 scalar: optimizer steps taken
 
 
 class TrainStep:
     """The jitted step built by :func:`make_train_step`; call it as ``step(state, batch)``.
 
-    Attributes: ``sync`` (:class:`~jax_drain.GradSync`, or :class:`~jax_drain.ScanGradSync`
-    for a scanned model), ``optimizer``
-    (:class:`~jax_drain.DistributedOptimizer`), ``mesh``, ``config``.
+    Attributes: ``sync`` (:class:`~jax_drain.GradSync`, or :class:`~jax_drain.ScanGradSync` for
+    a scanned model), ``optimizer`` (:class:`~jax_drain.DistributedOptimizer`), ``mesh``,
+    ``config``. ``sync`` and ``optimizer`` exist once the bucket order is known: at
+    construction with ``example_batch``, else after the first call.
     """
 
     def __init__(
@@ -137,95 +183,82 @@ class TrainStep:
         example_batch: PyTree | None,
         model: nnx.Module | None,
     ):
-        self.mesh, self.config = mesh, config
+        self.mesh, self.config, self.tx = mesh, config, tx
         self._loss, self._rest = loss, rest
         # init() reads the model's params when it is called (or the given pytree's); the step
         # itself only needs their shapes.
         self._model, self._source = model, (params if model is None else None)
         self._abstract_params = _abstract(params)
-        if config.axis not in mesh.axis_names:
-            raise ValueError(f"mesh has no axis {config.axis!r}; its axes are {tuple(mesh.axis_names)}")
-        self.axis_size = int(mesh.shape[config.axis])
-        order, micro = None, None
+        check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
+        self.data_size = axes_size(mesh, config.data_axes)
+        self._batch_spec = P(config.data_axes[0] if len(config.data_axes) == 1 else config.data_axes)
+        self._param_specs = jax.tree.unflatten(
+            jax.tree.structure(self._abstract_params), leaf_specs(self._abstract_params, config.param_specs)
+        )
+        self.sync: ChainedSync | None = None
+        self.optimizer: DistributedOptimizer | None = None
+        self._jitted = None
         if example_batch is not None:
-            micro = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((self._local_examples(x) // config.microbatches, *np.shape(x)[1:]), x.dtype),
-                self._check_batch(example_batch),
-            )
-            order = grad_ready_order(lambda p, b: loss(p, rest, b), self._abstract_params, micro)
-        stacked = self._find_stacked(micro)
-        sync_kwargs = dict(
-            axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
-            max_in_flight=config.max_in_flight, order=order,
-        )
-        #: True iff the step uses a :class:`~jax_drain.ScanGradSync`.
-        self.scan_layers = stacked is not None
-        if self.scan_layers:
-            self.sync = ScanGradSync(params, mesh, stacked=stacked, **sync_kwargs)
-        else:
-            self.sync = GradSync(params, mesh, **sync_kwargs)
-        self.optimizer = DistributedOptimizer(tx, self.sync, gather_max_in_flight=config.gather_max_in_flight)
-        specs = self.optimizer.state_specs()
-        sharded = _compat.shard_map(
-            self._sharded_step, mesh=mesh,
-            in_specs=(P(), specs, P(), P(config.axis)), out_specs=(P(), specs, P()),
-        )
-
-        def step(state: TrainState, rest: PyTree, batch: PyTree) -> tuple[TrainState, jax.Array]:
-            params, opt_state, loss = sharded(state.params, state.opt_state, rest, batch)
-            return TrainState(params, opt_state, state.step + 1), loss
-
-        self._jitted = jax.jit(step, donate_argnums=(0,) if config.donate else ())
+            self._build(example_batch)
 
     def __repr__(self) -> str:
         return f"TrainStep({self.config}, {self.sync!r}, {self.optimizer!r})"
 
     # -- public -----------------------------------------------------------------------------
+    @property
+    def scan_layers(self) -> bool:
+        """True iff the step uses a :class:`~jax_drain.ScanGradSync` (known once built)."""
+        return isinstance(self.sync, ScanGradSync)
+
     def init(self, params: PyTree | nnx.Module | None = None) -> TrainState:
-        """A fresh state: the model's current (or the given) params replicated over the mesh,
-        optimizer state sharded. The caller's arrays are copied, never donated."""
+        """A fresh state: the model's current (or the given) params placed on the mesh by their
+        specs, optimizer state sharded. The caller's arrays are copied, never donated."""
         if params is None:
             params = self._model if self._model is not None else self._source
         if isinstance(params, nnx.Module):
             params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             raise ValueError("init needs concrete parameters; this step was built from abstract ones")
-        if self.scan_layers:
-            self.sync.check_tree(params, what="params")
-        else:
-            self.sync.layout.check_tree(params, what="params")
+        _check_like(params, self._abstract_params)
         # A copy, never an alias: the step donates its input state, which must not delete the
         # caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even
         # with may_alias=False when it reshards; a jitted copy never does.)
-        whole = NamedSharding(self.mesh, P())
-        params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), whole)
-        return TrainState(params, self.optimizer.init_sharded(params), step)
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
+        params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        opt_state = None if self.optimizer is None else self.optimizer.init_sharded(params)
+        return TrainState(params, opt_state, step)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
         """One optimizer step on a global ``batch``; returns ``(new_state, mean_loss)``."""
-        self._check_state_fast(state)
+        state = self._ready(state, batch)
         return self._jitted(state, self._rest, self.shard_batch(batch))
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for arrays or ``jax.ShapeDtypeStruct``s (e.g. to inspect its HLO)."""
+        if self.optimizer is None:
+            self._build(batch)
         self._check_state_fast(state)
         return self._jitted.lower(state, self._rest, self._check_batch(batch))
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """``batch`` placed on the mesh, split over the data axis (checks divisibility)."""
+        """``batch`` placed on the mesh, split over the data axes (checks divisibility)."""
         batch = self._check_batch(batch)
-        return jax.device_put(batch, NamedSharding(self.mesh, P(self.config.axis)))
+        return jax.device_put(batch, NamedSharding(self.mesh, self._batch_spec))
 
     def abstract_state(self) -> TrainState:
         """The state as ``jax.ShapeDtypeStruct``s with shardings (a checkpoint restore target)."""
-        whole = NamedSharding(self.mesh, P())
+        if self.optimizer is None:
+            raise ValueError(
+                "the step's bucket layout is not known yet: pass example_batch= to make_train_step "
+                "(or call the step once) before asking for its state layout"
+            )
         params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), self._abstract_params
+            lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
+            self._abstract_params, self._param_specs,
         )
-        return TrainState(
-            params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)
-        )
+        whole = NamedSharding(self.mesh, P())
+        return TrainState(params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole))
 
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
         """Writes ``state``'s parameters into the nnx ``model`` (in place)."""
@@ -235,60 +268,49 @@ class TrainStep:
         nnx.replace_by_pure_dict(param_state, state.params)
         nnx.update(model, param_state)
 
-    # -- inside shard_map -------------------------------------------------------------------
-    def _sharded_step(self, params: PyTree, opt_state: DistState, rest: PyTree, batch: PyTree):
-        if self.scan_layers:
-            # Closes over `rest`: value_and_grad splits every argument after params into
-            # micro-batches, and the non-param model state must not be split.
-            loss_fn = lambda p, b: self._loss(p, rest, b).astype(jnp.float32)
-            loss, shards = self.sync.value_and_grad(loss_fn, microbatches=self.config.microbatches)(params, batch)
-            params, opt_state = self.optimizer.update(shards, opt_state)
-            return params, opt_state, loss
-        loss, grads = self._local_value_and_grad(params, rest, batch)
-        shards = self.sync.reduce_scatter(grads)
-        loss = jax.lax.pmean(loss, self.config.axis)
-        params, opt_state = self.optimizer.update(shards, opt_state)
-        return params, opt_state, loss
-
-    def _local_value_and_grad(self, params: PyTree, rest: PyTree, batch: PyTree):
-        """This device's mean loss and mean gradient over its micro-batches (no communication)."""
-        axis, k = self.config.axis, self.config.microbatches
-        # Gradients w.r.t. a per-device view: no hidden all-reduce (see GradSync.value_and_grad).
-        local = local_params(params, axis)
-        value_and_grad = jax.value_and_grad(lambda p, b: self._loss(p, rest, b).astype(jnp.float32))
-        if k == 1:
-            return value_and_grad(local, batch)
-
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        acc_dtype = self.config.accum_dtype
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype or p.dtype), params)
-        # The carry must have the loop outputs' type: varying along the data axis.
-        carry = jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), (jnp.zeros((), jnp.float32), zeros))
-
-        def accumulate(carry, mb):
-            total, acc = carry
-            loss, grads = value_and_grad(local, mb)
-            return (total + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)), None
-
-        (total, acc), _ = jax.lax.scan(accumulate, carry, micro)
-        # Mean in the accumulator's precision, then the parameter dtype the buckets expect.
-        grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-        return total / k, grads
-
     # -- construction -----------------------------------------------------------------------
-    def _find_stacked(self, micro: PyTree | None) -> PyTree | None:
+    def _build(self, batch: PyTree) -> None:
+        """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
+        config, mesh = self.config, self.mesh
+        batch = self._check_batch(batch)
+        k = config.microbatches
+        global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
+                                    batch)
+        loss = lambda p, b: self._loss(p, self._rest, b)
+        order = grad_ready_order(loss, self._abstract_params, global_micro, mesh=mesh,
+                                 in_specs=(self._param_specs, self._batch_spec))
+        options = dict(
+            axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
+            max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
+        )
+        stacked = self._find_stacked(global_micro)
+        if stacked is not None:
+            sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked, **options)
+        else:
+            sync = GradSync(self._abstract_params, mesh, param_specs=config.param_specs, expert=config.expert,
+                            expert_axis=config.expert_axis, **options)
+        optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight)
+        specs = optimizer.state_specs()
+        sharded = _compat.shard_map(
+            self._sharded_step, mesh=mesh,
+            in_specs=(sync.param_specs, specs, P(), sync.batch_spec), out_specs=(sync.param_specs, specs, P()),
+        )
+
+        def step(state: TrainState, rest: PyTree, batch: PyTree) -> tuple[TrainState, jax.Array]:
+            params, opt_state, loss = sharded(state.params, state.opt_state, rest, batch)
+            return TrainState(params, opt_state, state.step + 1), loss
+
+        self.sync, self.optimizer = sync, optimizer
+        self._jitted = jax.jit(step, donate_argnums=(0,) if config.donate else ())
+
+    def _find_stacked(self, global_micro: PyTree) -> PyTree | None:
         """The stacked-leaf mask for a ScanGradSync, or ``None`` for a GradSync (config.scan_layers)."""
         wanted = self.config.scan_layers
         if wanted is False:
             return None
-        if micro is None:
-            if wanted is None:
-                return None
-            raise ValueError(
-                "TrainConfig(scan_layers=True) finds the stacked layer parameters by tracing the "
-                "loss: pass example_batch=... to make_train_step"
-            )
-        mask = stacked_leaves(lambda p, b: self._loss(p, self._rest, b), self._abstract_params, micro)
+        local_micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
+        mask = stacked_leaves(lambda p, b: self._loss(p, self._rest, b), self._abstract_params, local_micro)
         if not any(jax.tree.leaves(mask)):
             if wanted is None:
                 return None
@@ -299,28 +321,75 @@ class TrainStep:
             )
         return mask
 
-    # -- checks -----------------------------------------------------------------------------
-    def _local_examples(self, x: Any) -> int:
-        return np.shape(x)[0] // self.axis_size
+    def _ready(self, state: Any, batch: PyTree) -> TrainState:
+        if self.optimizer is None:
+            self._build(batch)
+        if isinstance(state, TrainState) and state.opt_state is None:
+            state = state._replace(opt_state=self.optimizer.init_sharded(state.params))
+        self._check_state_fast(state)
+        return state
 
+    # -- inside shard_map -------------------------------------------------------------------
+    def _sharded_step(self, params: PyTree, opt_state: DistState, rest: PyTree, batch: PyTree):
+        sync, k = self.sync, self.config.microbatches
+        loss_fn = lambda p, b: self._loss(p, rest, b).astype(jnp.float32)
+        if isinstance(sync, ScanGradSync):
+            # Closes over `rest`: value_and_grad splits every argument after params into
+            # micro-batches, and the non-param model state must not be split.
+            loss, shards = sync.value_and_grad(loss_fn, microbatches=k)(params, batch)
+        else:
+            loss, grads = self._local_value_and_grad(loss_fn, params, batch)
+            shards = sync.reduce_scatter(grads)
+            loss = jax.lax.pmean(loss, sync.data_axes)
+        params, opt_state = self.optimizer.update(shards, opt_state)
+        return params, opt_state, loss
+
+    def _local_value_and_grad(self, loss_fn: Callable, params: PyTree, batch: PyTree):
+        """This device's mean loss and mean gradient over its micro-batches (no communication)."""
+        sync, k = self.sync, self.config.microbatches
+        # Gradients w.r.t. a per-device view: no hidden all-reduce (see GradSync.value_and_grad).
+        local = sync.local_params(params)
+        value_and_grad = jax.value_and_grad(loss_fn)
+        if k == 1:
+            return value_and_grad(local, batch)
+
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        acc_dtype = self.config.accum_dtype
+        # The carry has the loop outputs' type: a local gradient varies along the axes it is
+        # reduced over and the axes its parameter is sharded along.
+        axes = [pl.reduce_axes + sync.outer_axes + pl.spec_axes for pl in sync.placements]
+        zeros = [_compat.mark_varying(jnp.zeros(p.shape, acc_dtype or p.dtype), a)
+                 for p, a in zip(jax.tree.leaves(local), axes)]
+        carry = (_compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes), zeros)
+
+        def accumulate(carry, mb):
+            total, acc = carry
+            loss, grads = value_and_grad(local, mb)
+            grads = [_compat.mark_varying(g, a) for g, a in zip(jax.tree.leaves(grads), axes)]
+            return (total + loss, [a + g.astype(a.dtype) for a, g in zip(acc, grads)]), None
+
+        (total, acc), _ = jax.lax.scan(accumulate, carry, micro)
+        # Mean in the accumulator's precision, then the parameter dtype the buckets expect.
+        grads = [(a / k).astype(p.dtype) for a, p in zip(acc, jax.tree.leaves(params))]
+        return total / k, jax.tree.unflatten(sync.treedef, grads)
+
+    # -- checks -----------------------------------------------------------------------------
     def _check_batch(self, batch: PyTree) -> PyTree:
         leaves = jax.tree.leaves(batch)
         if not leaves:
             raise ValueError("the batch has no arrays")
-        need = self.axis_size * self.config.microbatches
+        need = self.data_size * self.config.microbatches
         for path, x in zip(leaf_paths(batch), leaves):
             shape = np.shape(x)
             if not shape or shape[0] % need:
                 raise ValueError(
                     f"batch leaf {path!r} has shape {shape}: its leading (example) dimension must "
-                    f"split over the {self.axis_size} devices of axis {self.config.axis!r} x "
-                    f"{self.config.microbatches} micro-batches; use a global batch size that is a "
+                    f"split over the {self.data_size} data-parallel devices ({self.config.data_axes}) "
+                    f"x {self.config.microbatches} micro-batches; use a global batch size that is a "
                     f"multiple of {need}"
                 )
         if len({np.shape(x)[0] for x in leaves}) > 1:
-            raise ValueError(
-                f"batch leaves disagree on the batch size: {[np.shape(x)[0] for x in leaves]}"
-            )
+            raise ValueError(f"batch leaves disagree on the batch size: {[np.shape(x)[0] for x in leaves]}")
         return batch
 
     def _check_state_fast(self, state: Any) -> None:
@@ -330,11 +399,16 @@ class TrainStep:
         if not isinstance(opt_state, DistState):
             raise TypeError(f"state.opt_state must be a DistState, got {type(opt_state).__name__}")
         if opt_state.fingerprint != self.optimizer.fingerprint:
-            raise ValueError(_layout_mismatch(opt_state.fingerprint, self.optimizer.fingerprint))
+            raise ValueError(layout_mismatch(opt_state.fingerprint, self.optimizer.fingerprint))
 
 
 def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _check_like(tree: PyTree, abstract: PyTree) -> None:
+    expected = [(path, tuple(x.shape), np.dtype(x.dtype)) for path, x in zip(leaf_paths(abstract), jax.tree.leaves(abstract))]
+    check_leaves(tree, jax.tree.structure(abstract), expected, "params", "the params the step was built with")
 
 
 def make_train_step(
@@ -346,23 +420,24 @@ def make_train_step(
     *,
     example_batch: PyTree | None = None,
 ) -> TrainStep:
-    """Builds a jitted data-parallel train step; see the module docstring for an example.
+    """Builds a jitted sharded train step; see the module docstring for examples.
 
     Args:
         model: an ``nnx.Module`` (its ``nnx.Param``s are trained; other state, e.g. RNG counters
             or batch statistics, is passed in unchanged every step and not updated), or a params
             pytree (e.g. linen's ``variables["params"]``; arrays, or ``jax.ShapeDtypeStruct``s
-            to only :meth:`~TrainStep.lower` the step).
+            to only :meth:`~TrainStep.lower` the step). Global shapes.
         loss_fn: ``loss_fn(model, batch)`` for an nnx model, ``loss_fn(params, batch)`` for a
             pytree: a scalar mean loss over the examples it is given (a micro-batch of one
-            device's share of the batch).
-        tx: an element-wise optax transform; masks and clipping via :func:`jax_drain.masked` and
+            device's share of the batch). It runs inside ``shard_map`` on local parameter blocks.
+        tx: an optax transform that means the same on flat shards as on the tree (checked once);
+            masks and clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
             :func:`jax_drain.clip_by_global_norm` (see :class:`~jax_drain.DistributedOptimizer`).
-        mesh: the device mesh; the batch is split over ``config.axis``.
+        mesh: the device mesh; the batch is split over ``config.outer_axis`` and ``config.axis``.
         config: :class:`TrainConfig` (defaults if ``None``).
-        example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``s) used only to trace
-            the loss for the gradient-ready bucket order (:func:`jax_drain.grad_ready_order`);
-            without it buckets follow reverse leaf order.
+        example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``s) to trace the loss
+            on for the gradient-ready bucket order now; without it the first call's batch is
+            traced (and ``abstract_state`` is available only after that call).
 
     Returns:
         A :class:`TrainStep`: ``state = step.init()``, then ``state, loss = step(state, batch)``.

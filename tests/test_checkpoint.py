@@ -29,7 +29,8 @@ def _fresh_step(config=CONFIG, bucket_size=2000):
     """What a new process does: build the model and the step from scratch."""
     model = GPT(config, rngs=nnx.Rngs(0))
     return jd.make_train_step(model, lambda m, b: m.loss(b), _tx(), data_mesh(8),
-                              jd.TrainConfig(bucket_size=bucket_size, microbatches=2))
+                              jd.TrainConfig(bucket_size=bucket_size, microbatches=2),
+                              example_batch=_batch(0))
 
 
 def _batch(i):

@@ -132,6 +132,37 @@ def test_matches_replicated_optax(name, data, runs):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
 
 
+# Every optax transform that reads the parameter tree or a norm: equal to optax, or refused.
+TREE_TRANSFORMS = {
+    "optax.adamw(mask=fn)": (lambda: optax.adamw(0.01, weight_decay=0.1, mask=MATRICES), "refused"),
+    "optax.adamw(mask=tree)": (lambda: optax.adamw(0.01, weight_decay=0.1, mask=PREFIX_MASK), "refused"),
+    "optax.masked(fn)": (lambda: optax.chain(optax.masked(optax.add_decayed_weights(0.5), MATRICES),
+                                             optax.sgd(0.01)), "refused"),
+    "optax.multi_transform": (lambda: optax.multi_transform(
+        {"fast": optax.sgd(0.1), "slow": optax.sgd(0.001)},
+        lambda p: jax.tree.map(lambda x: "fast" if x.ndim > 1 else "slow", p)), "refused"),
+    "optax.clip_by_global_norm": (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.01)), "refused"),
+    "jd.adamw(mask=fn, max_norm)": (lambda: jd.adamw(0.01, weight_decay=0.1, mask=MATRICES, max_norm=1.0), "equal"),
+    "jd.masked(prefix)": (lambda: optax.chain(jd.masked(optax.add_decayed_weights(0.5), PREFIX_MASK),
+                                              optax.sgd(0.01)), "equal"),
+    "optax.adamw (no mask)": (lambda: optax.adamw(0.01, weight_decay=0.1), "equal"),
+}
+
+
+@pytest.mark.parametrize("name", list(TREE_TRANSFORMS))
+def test_tree_transforms_are_equal_to_optax_or_refused(name, data):
+    make, expected = TREE_TRANSFORMS[name]
+    params, grads = data
+    if expected == "refused":
+        with pytest.raises(ValueError, match="(?s)flat shards.*jax_drain"):
+            jd.DistributedOptimizer(make(), jd.GradSync(params, data_mesh(8), bucket_size=BUCKET_SIZE))
+        return
+    _, history = _run(make(), params, grads)
+    for (got, _), want in zip(history, _reference(make(), params, grads)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+
+
 def test_masks_and_clipping_act(data):
     """The parity cases above exercise live masks and an active clip, not no-ops on both sides."""
     params, grads = data
@@ -281,6 +312,7 @@ def test_gather_chain_in_gpu_schedule(depth):
     step = jd.make_train_step(
         params, make_loss(config), optax.adamw(1e-3), gpu_mesh((8,), ("data",)),
         jd.TrainConfig(bucket_size=100_000, max_in_flight=depth, microbatches=2),
+        example_batch=example_batch(config, 16),
     )
     compiled = step.lower(step.abstract_state(), example_batch(config, 16)).compile()
     sched, gathers, buckets = _param_gathers(compiled.as_text())
@@ -300,19 +332,15 @@ def test_misuse_is_refused(data):
     mesh = data_mesh(8)
     sync = jd.GradSync(params, mesh, bucket_size=BUCKET_SIZE)
 
-    # optax.clip_by_global_norm on flat shards would clip by a per-shard norm.
-    opt = jd.DistributedOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), sync)
-    with pytest.raises(ValueError, match="reduces over shard elements.*jax_drain.clip_by_global_norm"):
-        _step_fn(opt, mesh)(params, opt.init_sharded(params), grads[0])
-    unchecked = jd.DistributedOptimizer(optax.clip_by_global_norm(1.0), sync, check_elementwise=False)
+    # Transforms that read the tree or a per-device norm are refused when the optimizer is built.
+    with pytest.raises(ValueError, match="different result on flat shards.*jax_drain.clip_by_global_norm"):
+        jd.DistributedOptimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), sync)
+    unchecked = jd.DistributedOptimizer(optax.clip_by_global_norm(1.0), sync, check_tx=False)
     _step_fn(unchecked, mesh)(params, unchecked.init_sharded(params), grads[0])  # opted out: runs
-
-    # A mask over the param tree inside optax's own adamw cannot match the flat shards.
-    with pytest.raises(ValueError, match="use jax_drain.masked"):
-        jd.DistributedOptimizer(optax.adamw(1e-3, mask=MATRICES(params)), sync).init_sharded(params)
-    with pytest.raises(ValueError, match="mask does not match the parameter tree"):
-        bad_mask = jd.DistributedOptimizer(jd.masked(optax.scale(2.0), {"embed": True}), sync)
-        _step_fn(bad_mask, mesh)(params, bad_mask.init_sharded(params), grads[0])
+    with pytest.raises(ValueError, match="Use jax_drain.masked"):
+        jd.DistributedOptimizer(optax.adamw(1e-3, mask=MATRICES(params)), sync)
+    with pytest.raises(ValueError, match="tx fails on the parameter tree"):
+        jd.DistributedOptimizer(jd.masked(optax.scale(2.0), {"embed": True}), sync)
 
     # A state built for another layout (bucket size) is refused, in and outside shard_map.
     other = jd.DistributedOptimizer(optax.adam(1e-3), jd.GradSync(params, mesh, bucket_size=700))
@@ -329,10 +357,6 @@ def test_misuse_is_refused(data):
 
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         mine.init(params)
-    mesh2d = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("data", "model"))
-    tp = jd.GradSync(params, mesh2d, param_specs={"embed": P(None, "model"), "blocks": None, "head": None})
-    with pytest.raises(ValueError, match="does not support tensor-parallel param_specs yet.*embed"):
-        jd.DistributedOptimizer(optax.adam(1e-3), tp)
     with pytest.raises(TypeError, match="must be a jax_drain.GradSync"):
         jd.DistributedOptimizer(optax.adam(1e-3), mesh)
     with pytest.raises(TypeError, match="optax GradientTransformation"):
@@ -408,11 +432,11 @@ def test_scan_sync_matches_replicated_optax(name, scan_data):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
             np.testing.assert_array_equal(np.asarray(g), np.asarray(m))  # float32 params: the master
     # Padding of every shard (the layer buckets' in every row) stays zero.
-    pieces = opt._plan.pieces
-    for piece, master in zip(pieces, history[-1][1].master):
-        bucket = piece.layout.buckets[piece.bucket]
+    refs = sync.flat_chains
+    for (chain, k), master in zip(refs, history[-1][1].master):
+        bucket = chain.layout.buckets[k]
         np.testing.assert_array_equal(np.asarray(master)[..., bucket.num_elements:], 0.0)
-    assert any(p.layout.buckets[p.bucket].padding and p.rows for p in pieces)
+    assert any(chain.layout.buckets[k].padding and chain.num_layers for chain, k in refs)
 
 
 def test_scan_sync_masks_and_clip_act(scan_data):

@@ -189,7 +189,7 @@ def test_bad_input_is_refused_before_running(fp32_runs):
         step(state, {"tokens": batches[0]["tokens"], "mask": np.ones((64, 3))})
     other = runs[1][0]
     foreign = jd.make_train_step(GPT(CONFIG, rngs=nnx.Rngs(0)), _loss, _tx(), data_mesh(8),
-                                 jd.TrainConfig(bucket_size=5000)).init()
+                                 jd.TrainConfig(bucket_size=5000), example_batch=batches[0]).init()
     with pytest.raises(ValueError, match="different bucket layout"):
         other(foreign, batches[0])
     with pytest.raises(TypeError, match="TrainState"):
@@ -203,6 +203,24 @@ def test_bad_input_is_refused_before_running(fp32_runs):
         jd.TrainConfig(accum_dtype=jnp.int32)
     with pytest.raises(ValueError, match="mesh has no axis 'dp'"):
         jd.make_train_step(GPT(CONFIG, rngs=nnx.Rngs(0)), _loss, _tx(), data_mesh(8), jd.TrainConfig(axis="dp"))
+
+
+def test_bucket_order_is_traced_from_the_first_batch_without_example_batch(fp32_runs):
+    """No example_batch: the first call traces the gradient-ready order, the same order (and
+    layout) as with example_batch, never reverse pytree order."""
+    batches, _ = fp32_runs
+    make = lambda **kw: jd.make_train_step(GPT(CONFIG, rngs=nnx.Rngs(0)), _loss, _tx(), data_mesh(8),
+                                           jd.TrainConfig(bucket_size=5000), **kw)
+    eager, lazy = make(example_batch=batches[0]), make()
+    assert lazy.sync is None
+    state = lazy.init()
+    assert state.opt_state is None
+    state, loss = lazy(state, batches[0])
+    assert lazy.sync.fingerprint == eager.sync.fingerprint
+    reverse = jd.GradSync(lazy.sync.abstract_params, data_mesh(8), bucket_size=5000)
+    assert reverse.fingerprint != eager.sync.fingerprint  # the traced order differs from it here
+    eager_state, eager_loss = eager(eager.init(), batches[0])
+    assert float(loss) == float(eager_loss)
 
 
 # -- scanned layer stacks: TrainConfig(scan_layers=...) builds a ScanGradSync -------------------
@@ -267,16 +285,19 @@ def test_scanned_step_matches_unrolled_step_and_checkpoints(tmp_path):
     assert int(next_state.step) == 4
 
 
-def test_scan_layers_needs_a_scanned_loss_and_an_example_batch():
+def test_scan_layers_needs_a_scanned_loss():
     from jax_drain import models
 
-    params = models.abstract_params(SCAN_CONFIG)
-    with pytest.raises(ValueError, match="pass example_batch"):
-        jd.make_train_step(params, models.make_loss(SCAN_CONFIG), _tx(), data_mesh(8),
-                           jd.TrainConfig(scan_layers=True))
     unrolled = dataclasses.replace(SCAN_CONFIG, scan_layers=False)
     with pytest.raises(ValueError, match="runs no jax.lax.scan"):
         jd.make_train_step(models.abstract_params(unrolled), models.make_loss(unrolled), _tx(), data_mesh(8),
                            jd.TrainConfig(scan_layers=True), example_batch=_batches(1)[0])
+    # Without example_batch the stacked leaves are found from the first batch.
+    lazy = jd.make_train_step(models.abstract_params(SCAN_CONFIG), models.make_loss(SCAN_CONFIG), _tx(),
+                              data_mesh(8), jd.TrainConfig(scan_layers=True))
+    with pytest.raises(ValueError, match="layout is not known yet"):
+        lazy.abstract_state()
+    with pytest.raises(ValueError, match="init needs concrete parameters"):
+        lazy.init()
     with pytest.raises(ValueError, match="scan_layers must be True, False or None"):
         jd.TrainConfig(scan_layers="auto")

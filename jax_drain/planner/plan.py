@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_drain import _compat, models
 from jax_drain.collectives import REDUCE_MODES
 from jax_drain.drain import sequenced_map
+from jax_drain.chain import ChainedSync
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order
 from jax_drain.planner.schedule import Collective, Schedule, parse_schedule
@@ -641,10 +642,9 @@ def plan_preset(
     )
 
 
-def _num_buckets(sync: GradSync | ScanGradSync | None) -> int | None:
-    if isinstance(sync, ScanGradSync):  # every layer's buckets are buckets of their own
-        return sync.num_layers * len(sync.layer_bucket_sizes) + len(sync.rest_bucket_sizes)
-    return None if sync is None else sync.num_buckets
+def _num_buckets(sync: ChainedSync | None) -> int | None:
+    # Every layer's buckets are buckets of their own.
+    return None if sync is None else sum(chain.num_buckets * (chain.num_layers or 1) for chain in sync.chains)
 
 
 def preset_config(name: str, layers: int | None = None, d_model: int | None = None,

@@ -1,0 +1,490 @@
+"""Bucket chains: the one concept the sync, the optimizer, the train step, checkpoints and planner share.
+
+A :class:`BucketChain` is a :class:`~jax_drain.BucketLayout` of some parameter leaves, the mesh
+axes its buckets are reduce-scattered over (the shards are split over them), the outer axes each
+shard is then all-reduced over, and the ``jax.named_scope`` its collectives run under. Dense,
+expert and scanned-layer buckets are all chains; they differ only in which leaves they hold,
+which axes they reduce over and, for a scanned layer stack, that a shard has one row per layer.
+
+:class:`ChainedSync` is the protocol a gradient sync offers on top of its chains, written once
+here: shard specs, the float32 master shards of a distributed optimizer and their gather,
+``unflatten``, the layout fingerprint, the per-device parameter view and the varying check.
+:class:`~jax_drain.GradSync` and :class:`~jax_drain.ScanGradSync` implement only how gradients
+reach the chains (after backward, or inside the backward scan).
+
+Example::
+
+    sync = jd.GradSync(params, mesh, axis="data", bucket_size=10_000_000)
+    for chain in sync.chains:                       # dispatch order
+        print(chain.name, chain.scope, chain.axes, chain.layout.num_buckets)
+    master = sync.init_master(params)               # inside shard_map: one float32 shard per bucket
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from jax_drain import _compat
+from jax_drain.collectives import all_gather_bucket, all_reduce_shard, reduce_scatter_bucket
+from jax_drain.drain import sequenced_map
+from jax_drain.layout import BucketLayout, check_leaves
+from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
+
+PyTree = Any
+
+#: Prefix of every chain's named scopes; the planner finds the sync's collectives in compiled HLO
+#: by it. Dense bucket ``k``: ``jax_drain/bucket{k}``.
+SCOPE_PREFIX = "jax_drain"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketChain:
+    """One drained chain of buckets: what they hold, where they are reduced, how shards lie.
+
+    Attributes:
+        name: ``"dense"``, ``"expert"`` or ``"layers"`` (a scanned stack's per-layer buckets).
+        scope: bucket ``k``'s collectives run under ``f"{scope}/bucket{k}"``.
+        layout: the buckets, laid out from per-device (local) leaf shapes; for a layer chain,
+            one layer's slice of the stacked leaves.
+        leaves: index in the full parameter tree's ``jax.tree.leaves`` of each layout leaf.
+        axes: the mesh axes a bucket is reduce-scattered over, major first (the shards are split
+            over them); empty when every data axis shards these parameters.
+        outer_axes: axes each shard is all-reduced over afterwards (HSDP); shards are replicated
+            along them.
+        spec_axes: the other mesh axes that shard some of these leaves (tensor or expert
+            parallel), mesh order: ranks along them hold different buckets.
+        spec_size: devices along ``spec_axes``.
+        replicas: per layout leaf, how many devices hold each element of a shard (the outer axes
+            and the non-data axes the leaf is replicated along); global norms divide by it.
+        num_layers: a layer chain's shards are ``[num_layers, size]``; ``None`` for 1-D shards.
+    """
+
+    name: str
+    scope: str
+    layout: BucketLayout
+    leaves: tuple[int, ...]
+    axes: tuple[str, ...]
+    outer_axes: tuple[str, ...]
+    axis_size: int
+    spec_axes: tuple[str, ...]
+    replicas: tuple[int, ...]
+    spec_size: int = 1
+    num_layers: int | None = None
+
+    # -- shapes and specs -------------------------------------------------------------------
+    @property
+    def num_buckets(self) -> int:
+        return self.layout.num_buckets
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Elements (per row) of each bucket one device holds after the reduce-scatter."""
+        return tuple(size // self.axis_size for size in self.layout.bucket_sizes)
+
+    def bucket_scope(self, k: int) -> str:
+        return f"{self.scope}/bucket{k}"
+
+    def shard_shape(self, k: int) -> tuple[int, ...]:
+        """Shape of this device's shard of bucket ``k`` inside ``shard_map``."""
+        size = self.shard_sizes[k]
+        return (size,) if self.num_layers is None else (self.num_layers, size)
+
+    def global_shard_shape(self, k: int) -> tuple[int, ...]:
+        """Shape of bucket ``k``'s shards as one global array outside ``shard_map``: every
+        rank's shard along ``spec_axes`` and ``axes``, split by :attr:`shard_spec`."""
+        *rows, size = self.shard_shape(k)
+        return (*rows, size * self.axis_size * self.spec_size)
+
+    @property
+    def shard_spec(self) -> PartitionSpec:
+        """``PartitionSpec`` of a shard outside ``shard_map``: split over the ranks that hold
+        different buckets (``spec_axes``), then over ``axes``, major first."""
+        axes = self.spec_axes + self.axes
+        entry = axes[0] if len(axes) == 1 else (axes or None)
+        return PartitionSpec(entry) if self.num_layers is None else PartitionSpec(None, entry)
+
+    @property
+    def reduce_axis(self) -> str | tuple[str, ...]:
+        """``axes`` as collectives take it: one name stays a name."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that decides where a parameter element lands in a shard (JSON-able)."""
+        layout = self.layout
+        return {
+            "name": self.name, "axes": list(self.axes), "axis_size": self.axis_size,
+            "spec_axes": list(self.spec_axes), "num_layers": self.num_layers,
+            "buckets": [
+                [str(b.dtype), b.padded_size,
+                 [[layout.slots[i].path, list(layout.slots[i].shape), str(layout.slots[i].dtype),
+                   layout.slots[i].offset] for i in b.leaves]]
+                for b in layout.buckets
+            ],
+        }
+
+    # -- buckets ----------------------------------------------------------------------------
+    def flatten(self, leaves: Sequence[Any], dtype: Any = None) -> tuple[jax.Array, ...]:
+        """Whole buckets from the full tree's ``leaves`` (local blocks): 1-D, or
+        ``[num_layers, size]`` for a layer chain. ``dtype`` casts every bucket."""
+        mine = [leaves[i] for i in self.leaves]
+        if self.num_layers is None:
+            return self.layout.flatten(mine, dtype)
+        return tuple(jax.vmap(lambda layer: self.layout.flatten(layer, dtype))(mine))
+
+    def unflatten(self, buckets: Sequence[jax.Array]) -> list[jax.Array]:
+        """The chain's leaves (layout order) from whole buckets."""
+        if self.num_layers is None:
+            return jax.tree.leaves(self.layout.unflatten(tuple(buckets)))
+        return jax.tree.leaves(jax.vmap(self.layout.unflatten)(tuple(buckets)))
+
+    def check_buckets(self, buckets: Sequence[jax.Array], what: str) -> None:
+        want = [
+            (size,) if self.num_layers is None else (self.num_layers, size) for size in self.layout.bucket_sizes
+        ]
+        got = [tuple(b.shape) for b in buckets]
+        if got != want:
+            raise ValueError(
+                f"{what}: the {self.name} chain expects whole buckets of shapes {want}, got {got}; pass "
+                "the global shards (out_specs=sync.shard_specs()), not one device's"
+            )
+
+    # -- inside shard_map -------------------------------------------------------------------
+    def positions(self, k: int) -> jax.Array:
+        """Bucket positions of this device's shard elements of bucket ``k``: ``rank * s + [0, s)``."""
+        size = self.shard_sizes[k]
+        rank = jax.lax.axis_index(self.reduce_axis) if self.axes else 0
+        return rank * size + jax.lax.iota(jnp.int32, size)
+
+    def shard(self, bucket: jax.Array, k: int) -> jax.Array:
+        """This device's slice of whole bucket ``k`` (along its last axis)."""
+        if not self.axes:
+            return bucket
+        size = self.shard_sizes[k]
+        rank = jax.lax.axis_index(self.reduce_axis)
+        return jax.lax.dynamic_slice_in_dim(bucket, rank * size, size, axis=bucket.ndim - 1)
+
+    def reduce_bucket(self, bucket: jax.Array, *, mode: str, divisor: int) -> jax.Array:
+        """Reduce-scatters one whole bucket over ``axes``, all-reduces over ``outer_axes``,
+        divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard."""
+        if self.axes:
+            shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False)
+        else:  # every data axis shards these params: nothing to reduce-scatter
+            shard = bucket.astype(jnp.float32)
+        if self.outer_axes:
+            outer = self.outer_axes[0] if len(self.outer_axes) == 1 else self.outer_axes
+            # bf16 mode keeps the gradient dtype on the outer wire too (Megatron's baseline).
+            shard = all_reduce_shard(shard, outer, wire_dtype=bucket.dtype if mode == "bf16" else jnp.float32)
+        return shard / divisor if divisor > 1 else shard
+
+    def reduce_scatter(
+        self, buckets: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
+        bucket_ids: Callable[[int], int] | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """Reduces ``buckets`` in order, at most ``max_in_flight`` unfinished (the drain).
+
+        ``bucket_ids(i)`` names input ``i``'s bucket (default ``i``), for chains that send one
+        bucket several times (each layer's bucket ``k`` after backward).
+        """
+        ids = bucket_ids or (lambda i: i)
+
+        def reduce_one(i: int, bucket: jax.Array) -> jax.Array:
+            with jax.named_scope(self.bucket_scope(ids(i))):
+                return self.reduce_bucket(bucket, mode=mode, divisor=divisor)
+
+        return sequenced_map(reduce_one, buckets, max_in_flight)
+
+    def gather(self, k: int, shard: jax.Array) -> jax.Array:
+        """Whole bucket ``k`` in its parameters' dtype from every device's float32 shard."""
+        dtype = self.layout.buckets[k].dtype
+        if not self.axes:
+            return shard.astype(dtype)
+        if self.num_layers is None:
+            return all_gather_bucket(shard, self.reduce_axis, dtype=dtype)
+        # One 1-D gather of every layer's slice: [L, s] -> [n * L * s] -> [n, L, s] -> [L, n * s].
+        whole = all_gather_bucket(shard.reshape(-1), self.reduce_axis, dtype=dtype)
+        n, size = self.axis_size, self.shard_sizes[k]
+        return whole.reshape(n, self.num_layers, size).transpose(1, 0, 2).reshape(self.num_layers, n * size)
+
+
+def build_chain(
+    name: str,
+    scope: str,
+    mesh: Mesh,
+    placements: Sequence[LeafPlacement],
+    leaves: Sequence[int],
+    axes: tuple[str, ...],
+    outer_axes: tuple[str, ...],
+    *,
+    bucket_size: int | None,
+    order: Sequence[int] | None,
+    num_layers: int | None = None,
+) -> BucketChain:
+    """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
+    layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
+    leaves = tuple(leaves)
+    axis_size = math.prod(int(mesh.shape[a]) for a in axes)
+    position = {leaf: j for j, leaf in enumerate(leaves)}
+    full_order = tuple(reversed(range(len(placements)))) if order is None else tuple(order)
+    sub_order = [position[i] for i in full_order if i in position]
+    shapes = [placements[i].local_shape[(0 if num_layers is None else 1):] for i in leaves]
+    layout = BucketLayout.build(
+        [jax.ShapeDtypeStruct(s, placements[i].dtype) for s, i in zip(shapes, leaves)],
+        bucket_size, shard_multiple=math.lcm(axis_size, 128), order=sub_order,
+    )
+    # Slots keep their index into the chain's own list but show the parameter's real path.
+    slots = tuple(dataclasses.replace(s, path=placements[leaves[s.index]].path) for s in layout.slots)
+    layout = dataclasses.replace(layout, slots=slots)
+    spec_axes = mesh_order(mesh, [a for i in leaves for a in placements[i].spec_axes if a not in axes])
+    replicas = tuple(
+        math.prod(int(mesh.shape[a]) for a in mesh.axis_names
+                  if a not in axes and a not in placements[i].spec_axes)
+        for i in leaves
+    )
+    spec_size = math.prod(int(mesh.shape[a]) for a in spec_axes)
+    return BucketChain(name, scope, layout, leaves, axes, tuple(outer_axes), axis_size, spec_axes, replicas,
+                       spec_size, num_layers)
+
+
+class ChainedSync:
+    """The protocol of a gradient sync over bucket chains, written once.
+
+    Subclasses set ``mesh``, ``placements`` (one :class:`~jax_drain.mesh.LeafPlacement` per
+    parameter leaf), ``chains`` (dispatch order), ``axes``/``outer_axes`` (the data axes),
+    ``reduce``, ``average``, ``max_in_flight`` and ``_treedef``, and implement
+    ``reduce_scatter``/``value_and_grad`` and the conversion between their output type and one
+    flat tuple of shards (:meth:`flat_shards`, :meth:`pack_shards`).
+
+    The flat order, used by the optimizer's master shards: every chain in ``chains`` order, and
+    within a chain its buckets in dispatch order.
+    """
+
+    mesh: Mesh
+    placements: tuple[LeafPlacement, ...]
+    chains: tuple[BucketChain, ...]
+    axes: tuple[str, ...]
+    outer_axes: tuple[str, ...]
+    reduce: str
+    average: bool
+    max_in_flight: int | None
+    _treedef: Any
+
+    # -- output type <-> flat tuple (per sync kind) -------------------------------------------
+    def flat_shards(self, shards: Any) -> tuple[jax.Array, ...]:  # pragma: no cover - abstract
+        """The sync's output (as ``reduce_scatter`` returns it) as one flat tuple of shards."""
+        raise NotImplementedError
+
+    def pack_shards(self, flat: Sequence[Any]) -> Any:  # pragma: no cover - abstract
+        """Inverse of :meth:`flat_shards`: one entry per bucket -> the sync's output type."""
+        raise NotImplementedError
+
+    # -- layout -----------------------------------------------------------------------------
+    @property
+    def treedef(self) -> Any:
+        """The parameter tree's structure."""
+        return self._treedef
+
+    @property
+    def abstract_params(self) -> PyTree:
+        """The parameters as global-shape ``jax.ShapeDtypeStruct``s."""
+        return jax.tree.unflatten(
+            self._treedef, [jax.ShapeDtypeStruct(pl.global_shape, pl.dtype) for pl in self.placements]
+        )
+
+    @property
+    def local_shapes(self) -> PyTree:
+        """``jax.ShapeDtypeStruct`` tree of the per-device parameter blocks inside ``shard_map``."""
+        return jax.tree.unflatten(
+            self._treedef, [jax.ShapeDtypeStruct(pl.local_shape, pl.dtype) for pl in self.placements]
+        )
+
+    @property
+    def param_specs(self) -> PyTree:
+        """The ``PartitionSpec`` of every param (``P()`` if replicated): ``shard_map`` in_specs."""
+        return jax.tree.unflatten(self._treedef, [pl.spec for pl in self.placements])
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Every data-parallel axis, mesh order: the batch is split and the loss averaged over them."""
+        return mesh_order(self.mesh, self.outer_axes + self.axes)
+
+    @property
+    def data_size(self) -> int:
+        """Data-parallel devices: the mean gradient divides the sum by this."""
+        return math.prod(int(self.mesh.shape[a]) for a in self.data_axes)
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """A batch split over all data-parallel devices: ``P((*outer_axes, *axes))``."""
+        axes = self.outer_axes + self.axes
+        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+    @property
+    def flat_chains(self) -> tuple[tuple[BucketChain, int], ...]:
+        """``(chain, bucket)`` of every entry of the flat shard tuple."""
+        return tuple((chain, k) for chain in self.chains for k in range(chain.num_buckets))
+
+    def shard_specs(self) -> Any:
+        """``PartitionSpec``s of the shards (the sync's output type), for ``shard_map`` out_specs."""
+        return self.pack_shards([chain.shard_spec for chain, _ in self.flat_chains])
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the chains' layouts: leaf paths, shapes, dtypes, offsets, axis sizes.
+
+        Equal fingerprints put every parameter element at the same place in the same shard, so
+        optimizer states built for them are interchangeable.
+        """
+        description = [chain.describe() for chain in self.chains]
+        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+    def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True, local: bool = False) -> list:
+        """Returns ``tree``'s leaves after checking its structure, shapes (global, or the
+        per-device blocks with ``local=True``) and dtypes against the params."""
+        expected = [(pl.path, pl.local_shape if local else pl.global_shape, pl.dtype) for pl in self.placements]
+        reference = "the params this sync was built with" + (" (per-device blocks)" if local else "")
+        return check_leaves(tree, self._treedef, expected, what, reference, check_dtypes)
+
+    def unflatten_buckets(self, flat: Sequence[jax.Array]) -> PyTree:
+        """The params-shaped tree from whole buckets in flat order (see :meth:`flat_shards`)."""
+        flat = tuple(flat)
+        if len(flat) != len(self.flat_chains):
+            raise ValueError(f"expected {len(self.flat_chains)} buckets, got {len(flat)}")
+        leaves: list[Any] = [None] * len(self.placements)
+        start = 0
+        for chain in self.chains:
+            part = flat[start:start + chain.num_buckets]
+            chain.check_buckets(part, "unflatten")
+            for i, leaf in zip(chain.leaves, chain.unflatten(part)):
+                leaves[i] = leaf
+            start += chain.num_buckets
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def unflatten(self, buckets: Any) -> PyTree:
+        """The params-shaped tree (local blocks) from whole buckets in the sync's output type,
+        e.g. the mean gradient from a step's global shards."""
+        return self.unflatten_buckets(self.flat_shards(buckets))
+
+    # -- inside shard_map -------------------------------------------------------------------
+    def local_params(self, params: PyTree) -> PyTree:
+        """Per-device views of ``params`` (local blocks) for ``jax.grad`` inside ``shard_map``.
+
+        Each leaf is marked varying along the data axes its gradient is reduced over (no
+        communication), so differentiating gives local gradients instead of the all-reduced
+        ones that ``jax.grad`` w.r.t. a replicated value gives. Tensor-parallel axes are left
+        alone: jax's own transpose sums what must be summed there.
+        """
+        leaves = self._treedef.flatten_up_to(params)
+        marked = [_compat.mark_varying(p, pl.reduce_axes + self.outer_axes) for p, pl in zip(leaves, self.placements)]
+        return jax.tree.unflatten(self._treedef, marked)
+
+    def check_varying(self, leaves: Sequence[Any], what: str = "grads", indices: Sequence[int] | None = None) -> None:
+        """Refuses gradients that do not vary along the axes they are reduced over: they were
+        already all-reduced, and reducing them again would multiply them by the axis size.
+
+        ``leaves`` are the full tree's leaves, or those at ``indices`` of it.
+        """
+        if not _compat.vma_checked():
+            raise ValueError(
+                f"{type(self).__name__} cannot tell per-device gradients from already all-reduced "
+                "ones inside shard_map(..., check_vma=False); use check_vma=True (the default)"
+            )
+        missing: dict[str, list[str]] = {}
+        placements = self.placements if indices is None else [self.placements[i] for i in indices]
+        for pl, g in zip(placements, leaves):
+            varying = _compat.varying_axes(g)
+            for a in pl.reduce_axes + self.outer_axes:
+                if a not in varying:
+                    missing.setdefault(a, []).append(pl.path)
+        if missing:
+            axis, paths = next(iter(missing.items()))
+            raise ValueError(
+                f"{what} {paths[:4]}{'...' if len(paths) > 4 else ''} do not vary along {axis!r}: "
+                "they were already all-reduced (jax.grad w.r.t. replicated params inside shard_map "
+                "inserts a psum), or the batch is not split along it. Use "
+                "sync.value_and_grad(loss_fn), or differentiate w.r.t. sync.local_params(params), "
+                f"with the batch split over {self.batch_spec}."
+            )
+
+    def require_inside_shard_map(self, method: str) -> None:
+        """Raises unless called inside ``shard_map`` over every axis the sync uses."""
+        spec_axes = tuple(a for pl in self.placements for a in pl.spec_axes)
+        needed = mesh_order(self.mesh, self.axes + self.outer_axes + spec_axes)
+        owner = method if "." in method else f"{type(self).__name__}.{method}"
+        # The data axes first: outside shard_map, the error names them rather than every axis.
+        require_bound_axes(owner, self.mesh, self.axes)
+        require_bound_axes(owner, self.mesh, needed)
+
+    def init_master(self, params: PyTree) -> Any:
+        """This device's float32 slices of ``params`` (local blocks), laid out like the gradient
+        shards (the sync's output type): the master shards of a distributed optimizer, padding
+        zero. Call inside ``shard_map``; leave it with ``out_specs=sync.shard_specs()``.
+
+        Example (inside ``shard_map``; ZeRO-1 with any element-wise ``tx``)::
+
+            master = sync.init_master(params)
+            loss, grads = sync.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, master)
+            params = sync.gather_params(optax.apply_updates(master, updates))
+        """
+        self.require_inside_shard_map("init_master")
+        leaves = self.check_tree(params, "params", check_dtypes=False, local=True)
+        out = []
+        for chain in self.chains:
+            buckets = chain.flatten(leaves, jnp.float32)
+            out.extend(chain.shard(b, k) for k, b in enumerate(buckets))
+        return self.pack_shards(out)
+
+    def gather_params(self, master: Any, *, max_in_flight: int | None = 1) -> PyTree:
+        """The parameter tree (local blocks, their own dtypes) from float32 master shards laid
+        out like the gradient shards (the sync's output type).
+
+        Each shard is cast to its bucket's dtype, then all-gathered over its chain's axes; the
+        gathers run in forward order (the last dispatched bucket first: it holds the first
+        layers), chained with depth ``max_in_flight``. A leaf replicated along a tensor-parallel
+        axis is identical on every rank there; it is made invariant along it with a ``pmax``
+        (exact for identical values). Call inside ``shard_map``.
+        """
+        self.require_inside_shard_map("gather_params")
+        refs = self.flat_chains
+        master = self.flat_shards(master)
+        want = [chain.shard_shape(k) for chain, k in refs]
+        if [tuple(m.shape) for m in master] != want:
+            raise ValueError(f"master shards have shapes {[tuple(m.shape) for m in master]}, expected {want} per device")
+        forward = list(reversed(range(len(refs))))
+
+        def gather(j: int, shard: jax.Array) -> jax.Array:
+            chain, k = refs[forward[j]]
+            with jax.named_scope(f"{GATHER_SCOPE}{chain.scope.removeprefix(SCOPE_PREFIX)}/bucket{k}"):
+                return chain.gather(k, shard)
+
+        gathered = sequenced_map(gather, [master[i] for i in forward], max_in_flight)
+        params = self.unflatten_buckets(tuple(reversed(gathered)))
+        leaves = jax.tree.leaves(params)
+        for i, (pl, (chain, _)) in enumerate(zip(self.placements, leaf_chain(self.chains, len(leaves)))):
+            replicated = tuple(a for a in chain.spec_axes if a not in pl.spec_axes)
+            if replicated:
+                leaves[i] = jax.lax.pmax(leaves[i], replicated)
+        return jax.tree.unflatten(self._treedef, leaves)
+
+
+#: Prefix of the named scope of each bucket's parameter all-gather: ``jax_drain/gather/bucket{k}``
+#: (``jax_drain/gather/expert/bucket{k}``, ``jax_drain/gather/layers/bucket{k}`` for the other
+#: chains), distinct from the reduce-scatter's so schedule checks can tell them apart.
+GATHER_SCOPE = f"{SCOPE_PREFIX}/gather"
+
+
+def leaf_chain(chains: Sequence[BucketChain], num_leaves: int) -> list[tuple[BucketChain, int]]:
+    """For each parameter leaf: its chain and its index in that chain's layout."""
+    out: list[Any] = [None] * num_leaves
+    for chain in chains:
+        for j, i in enumerate(chain.leaves):
+            out[i] = (chain, j)
+    return out
