@@ -1,0 +1,177 @@
+"""Bucket chains: every chain kind really sequences its collectives, read from the traced program.
+
+The drain is a data dependency: bucket ``k``'s collective consumes a value fenced behind bucket
+``k - depth``'s result (``jax.lax.optimization_barrier``). These tests trace each chain kind on
+the CPU (no GPU plugin needed) and read the jaxpr with :func:`jax_drain._jaxpr.collective_dependencies`:
+with depth ``d`` bucket ``k`` depends on exactly buckets ``k - d, k - 2d, ...``; undrained, on none.
+Making ``optimization_barrier`` the identity (``PYTHONPATH=tests python -m pytest -p
+mutation_no_barrier``, see BUILD.md) makes them fail.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_drain as jd
+from jax_drain import _compat
+from jax_drain._jaxpr import collective_dependencies
+from jax_drain.chain import GATHER_SCOPE, SCOPE_PREFIX
+
+SDS = jax.ShapeDtypeStruct
+
+DENSE = {"a": SDS((33, 20), jnp.float32), "b": SDS((7,), jnp.float32), "c": SDS((40, 13), jnp.float32),
+         "d": SDS((3, 5, 7), jnp.float32), "e": SDS((29, 11), jnp.float32)}
+EXPERT = {**DENSE, "experts_b": SDS((4, 9), jnp.float32), "experts_in": SDS((4, 19, 9), jnp.float32),
+          "experts_out": SDS((4, 9, 19), jnp.float32), "router": SDS((19, 4), jnp.float32)}
+SCANNED = {"embed": SDS((13, 11), jnp.float32),
+           "blocks": {"w": SDS((3, 11, 11), jnp.float32), "g": SDS((3, 11), jnp.float32), "v": SDS((3, 11, 17), jnp.float32)},
+           "head": SDS((11, 5), jnp.float32)}
+
+
+def _touch_all(p, x):
+    """A loss in which every leaf gets a gradient that varies with the batch."""
+    s = jnp.mean(x)
+    return sum(jnp.sum(jnp.tanh(leaf) * s) for leaf in jax.tree.leaves(p))
+
+
+def _scan_loss(p, x):
+    def layer(h, block):
+        return jnp.tanh((h * block["g"]) @ block["w"]) + jnp.sum(block["v"]) * 0.01, None
+
+    h, _ = jax.lax.scan(layer, x @ p["embed"], p["blocks"])
+    return jnp.mean(h @ p["head"])
+
+
+def _traced(sync: jd.GradSync | jd.ScanGradSync, loss, optimizer: jd.DistributedOptimizer | None = None):
+    """The jaxpr of one sync (and optimizer update) inside shard_map, on abstract inputs."""
+    params = sync.abstract_params
+    n = sync.data_size
+    batch = SDS((2 * n, params["embed"].shape[0] if "embed" in params else 3), jnp.float32)
+
+    def step(p, *rest):
+        if optimizer is None:
+            return sync.value_and_grad(loss)(p, *rest)
+        state, x = rest
+        _, shards = sync.value_and_grad(loss)(p, x)
+        return optimizer.update(shards, state)
+
+    if optimizer is None:
+        fn = _compat.shard_map(step, mesh=sync.mesh, in_specs=(sync.param_specs, sync.batch_spec),
+                               out_specs=(P(), sync.shard_specs()))
+        return jax.make_jaxpr(fn)(params, batch).jaxpr
+    specs = optimizer.state_specs()
+    fn = _compat.shard_map(step, mesh=sync.mesh, in_specs=(sync.param_specs, specs, sync.batch_spec),
+                           out_specs=(sync.param_specs, specs))
+    return jax.make_jaxpr(fn)(params, optimizer.abstract_state(), batch).jaxpr
+
+
+def assert_chained(deps: dict, labels: list[str], depth: int | None) -> None:
+    """``labels`` in chain order: with ``depth`` d, link ``i`` depends on exactly ``i - d, i - 2d, ...``."""
+    assert set(labels) <= set(deps), f"collectives of {sorted(set(labels) - set(deps))} not found"
+    for i, label in enumerate(labels):
+        want = {labels[j] for j in range(i) if depth is not None and (i - j) % depth == 0}
+        got = deps[label] & set(labels)
+        assert got == want, f"{label} depends on {sorted(got)}, expected {sorted(want)} (depth {depth})"
+
+
+def _bucket_labels(chain: jd.BucketChain) -> list[str]:
+    return [chain.bucket_scope(k) for k in range(chain.num_buckets)]
+
+
+def _mesh(shape, names, cpu_devices):
+    return Mesh(np.array(cpu_devices[: int(np.prod(shape))]).reshape(shape), names)
+
+
+@pytest.mark.parametrize("reduce", jd.REDUCE_MODES)
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_dense_chain_links_bucket_k_to_k_minus_depth(reduce, depth, cpu_devices):
+    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100, reduce=reduce,
+                       drain=depth is not None, max_in_flight=depth)
+    (chain,) = sync.chains
+    assert chain.num_buckets >= 4
+    assert_chained(collective_dependencies(_traced(sync, _touch_all)), _bucket_labels(chain), depth)
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_hierarchical_chain_links_the_outer_all_reduce_too(depth, cpu_devices):
+    sync = jd.GradSync(DENSE, _mesh((2, 4), ("replica", "data"), cpu_devices), bucket_size=100,
+                       outer_axis="replica", drain=depth is not None, max_in_flight=depth)
+    jaxpr = _traced(sync, _touch_all)
+    assert_chained(collective_dependencies(jaxpr), _bucket_labels(sync.chains[0]), depth)
+    # Each link holds the bucket's reduce-scatter and its outer all-reduce.
+    kinds = collective_dependencies(jaxpr, label=lambda e: f"{e.primitive.name}" if "bucket1" in str(
+        e.source_info.name_stack) else None)
+    assert "all_to_all" in kinds and any(name.startswith("psum") for name in kinds)
+
+
+def test_streamed_steps_are_fenced_two_deep(cpu_devices):
+    """Inside one bucket the point-to-point step ``s`` waits for the sum of step ``s - 2``."""
+    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=None, reduce="fp32_accum_streamed")
+    step_of = lambda e: (m.group(1) if (m := re.search(r"bucket0/step(\d+)", str(e.source_info.name_stack)))
+                         else None)
+    deps = collective_dependencies(_traced(sync, _touch_all), label=step_of)
+    assert set(deps) == {str(s) for s in range(1, 8)}
+    for s in range(3, 8):  # the accumulator carries every earlier step; never the one just before
+        assert deps[str(s)] == {str(t) for t in range(1, s - 1)}, (s, deps[str(s)])
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_expert_and_dense_chains_are_each_drained_and_independent(depth, cpu_devices):
+    sync = jd.GradSync(EXPERT, _mesh((4, 2), ("data", "expert"), cpu_devices), bucket_size=100,
+                       axis=("data", "expert"), expert=lambda path: path.startswith("experts"),
+                       expert_axis="data", param_specs={k: P("expert") if k.startswith("experts") else None for k in EXPERT},
+                       drain=depth is not None, max_in_flight=depth)
+    dense, expert = sync.chains
+    assert expert.scope == f"{SCOPE_PREFIX}/expert" and dense.num_buckets >= 4 and expert.num_buckets >= 3
+    deps = collective_dependencies(_traced(sync, _touch_all))
+    assert_chained(deps, _bucket_labels(dense), depth)
+    assert_chained(deps, _bucket_labels(expert), depth)
+    assert not any(deps[label] & set(_bucket_labels(dense)) for label in _bucket_labels(expert))
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_layer_chain_inside_the_backward_scan(depth, cpu_devices):
+    sync = jd.ScanGradSync(SCANNED, _mesh((8,), ("data",), cpu_devices), stacked=lambda path: path.startswith("blocks/"),
+                           bucket_size=100, drain=depth is not None, max_in_flight=depth)
+    layers, rest = sync.chains
+    assert layers.num_buckets >= 3 and layers.num_layers == 3
+    deps = collective_dependencies(_traced(sync, _scan_loss))
+    assert_chained(deps, _bucket_labels(layers), depth)
+    assert_chained(deps, _bucket_labels(rest), depth)
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_optimizer_gathers_in_forward_order(depth, cpu_devices):
+    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100)
+    opt = jd.DistributedOptimizer(optax.adam(1e-3), sync, gather_max_in_flight=depth)
+    (chain,) = sync.chains
+    forward = [f"{GATHER_SCOPE}/bucket{k}" for k in reversed(range(chain.num_buckets))]
+    assert_chained(collective_dependencies(_traced(sync, _touch_all, opt)), forward, depth)
+
+
+def test_check_vma_false_is_refused(cpu_devices):
+    """Inside shard_map(check_vma=False) per-device and already all-reduced gradients look alike:
+    reducing psum'd gradients again would multiply them by the data-parallel size."""
+    mesh = _mesh((8,), ("data",), cpu_devices)
+    sync = jd.GradSync(DENSE, mesh, bucket_size=100)
+    fn = _compat.shard_map(sync.value_and_grad(_touch_all), mesh=mesh, in_specs=(P(), P("data")),
+                           out_specs=(P(), sync.shard_specs()), check_vma=False)
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.make_jaxpr(fn)(DENSE, SDS((16, 3), jnp.float32))
+
+
+def test_fingerprint_names_every_placement(cpu_devices):
+    """Equal layouts give equal fingerprints; another bucket size, mesh or order does not."""
+    mesh = _mesh((8,), ("data",), cpu_devices)
+    base = jd.GradSync(DENSE, mesh, bucket_size=100).fingerprint
+    assert jd.GradSync(DENSE, mesh, bucket_size=100).fingerprint == base
+    assert jd.GradSync(DENSE, mesh, bucket_size=200).fingerprint != base
+    assert jd.GradSync(DENSE, _mesh((4,), ("data",), cpu_devices), bucket_size=100).fingerprint != base
+    assert jd.GradSync(DENSE, mesh, bucket_size=100, order=range(5)).fingerprint != base
