@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_drain.layout import BucketLayout
+from jax_drain.layout import BucketLayout, leaf_paths
 from helpers import random_tree
 
 W, B = 95 * 95, 95
@@ -96,6 +96,117 @@ def test_flatten_unflatten_round_trip_on_random_data():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     as_f32 = layout.flatten(tree, dtype=jnp.float32)
     assert all(b.dtype == jnp.float32 for b in as_f32)
+
+
+# Odd sizes, both dtypes: leaves a, b, c/0, c/1, c/2, d, e in jax.tree.leaves order.
+PLACED = {
+    "a": jax.ShapeDtypeStruct((3, 5, 7), jnp.float32),
+    "b": jax.ShapeDtypeStruct((13,), jnp.bfloat16),
+    "c": [jax.ShapeDtypeStruct((7,), jnp.float32), jax.ShapeDtypeStruct((97,), jnp.bfloat16),
+          jax.ShapeDtypeStruct((11, 13), jnp.float32)],
+    "d": jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
+    "e": jax.ShapeDtypeStruct((29,), jnp.float32),
+}
+
+
+def _documented_placement(sizes, dtypes, bucket_size, multiple, order):
+    """The module docstring's rule, computed here: leaves in ready order, one open bucket per
+    dtype, a bucket closes once it holds >= bucket_size elements, leftover buckets close in the
+    order of their last leaf, each padded to a multiple. Returns (members per bucket, leaf ->
+    (bucket, offset), padded sizes)."""
+    open_buckets, closed = {}, []
+    for i in order:
+        members = open_buckets.setdefault(dtypes[i], [])
+        members.append(i)
+        if bucket_size is not None and sum(sizes[j] for j in members) >= bucket_size:
+            closed.append(open_buckets.pop(dtypes[i]))
+    rank = {leaf: k for k, leaf in enumerate(order)}
+    closed += sorted(open_buckets.values(), key=lambda members: rank[members[-1]])
+    place, padded = {}, []
+    for b, members in enumerate(closed):
+        offset = 0
+        for i in members:
+            place[i] = (b, offset)
+            offset += sizes[i]
+        padded.append(max(multiple, -(-offset // multiple) * multiple))
+    return closed, place, padded
+
+
+def _pattern(k: int, shape, dtype) -> np.ndarray:
+    """Leaf k's recognisable values, exact in its dtype and distinct across leaves and positions:
+    (k + 1) * 1000 + position in float32; in bf16 (<= 128 elements) the mantissa holds the
+    position and the exponent the leaf."""
+    size = int(np.prod(shape))
+    if dtype == jnp.float32:
+        values = (k + 1) * 1000.0 + np.arange(size)
+    else:
+        assert size <= 128, "bf16 patterns hold up to 128 positions"
+        values = (128.0 + np.arange(size)) * 2.0 ** (k - 20)
+    return values.reshape(shape)
+
+
+def test_hand_derived_placement_of_odd_mixed_leaves():
+    # Default order (reverse leaves): e, d, c/2, c/1, c/0, b, a. bucket_size=100:
+    # f32 e(29) + c/2(143) = 172 closes bucket 0; bf16 d(6) + c/1(97) = 103 closes bucket 1;
+    # f32 c/0(7) + a(105) = 112 closes bucket 2; bf16 b(13) is left over: bucket 3.
+    layout = BucketLayout.build(PLACED, bucket_size=100, shard_multiple=128)
+    got = {s.path: (s.bucket, s.offset) for s in layout.slots}
+    assert got == {"e": (0, 0), "c/2": (0, 29), "d": (1, 0), "c/1": (1, 6), "c/0": (2, 0), "a": (2, 7),
+                   "b": (3, 0)}
+    assert [b.num_elements for b in layout.buckets] == [172, 103, 112, 13]
+    assert list(layout.bucket_sizes) == [256, 128, 128, 128]
+    assert [str(b.dtype) for b in layout.buckets] == ["float32", "bfloat16", "float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("bucket_size", [None, 1, 50, 100, 1000])
+@pytest.mark.parametrize("multiple", [128, 384])
+@pytest.mark.parametrize("order", [None, "forward", "shuffled"])
+def test_flatten_puts_each_leaf_where_the_table_says(bucket_size, multiple, order):
+    """flatten/unflatten against an independent placement: a wrong but consistent slot in
+    both (a round trip cannot see it) fails here."""
+    templates = jax.tree.leaves(PLACED)
+    n = len(templates)
+    ready = {None: list(reversed(range(n))), "forward": list(range(n)),
+             "shuffled": [int(i) for i in np.random.default_rng(7).permutation(n)]}[order]
+    layout = BucketLayout.build(PLACED, bucket_size, shard_multiple=multiple,
+                                order=None if order is None else ready)
+    sizes = [int(np.prod(t.shape)) for t in templates]
+    dtypes = [np.dtype(t.dtype) for t in templates]
+    members, place, padded = _documented_placement(sizes, dtypes, bucket_size, multiple, ready)
+    paths = leaf_paths(PLACED)
+
+    # The public description: LeafSlot and every row of the table.
+    assert [(s.bucket, s.offset, s.size, s.path) for s in layout.slots] == [
+        (*place[i], sizes[i], paths[i]) for i in range(n)]
+    rows = [line.split(maxsplit=4) for line in layout.table().splitlines()[1:]]
+    expected_rows = []
+    for b, leaves in enumerate(members):
+        dtype = str(dtypes[leaves[0]])
+        expected_rows += [[str(b), dtype, str(place[i][1]), str(sizes[i]), paths[i]] for i in leaves]
+        used = sum(sizes[i] for i in leaves)
+        expected_rows.append([str(b), dtype, str(used), str(padded[b] - used),
+                              f"<padding>  (bucket total {padded[b]})"])
+    assert rows == expected_rows
+
+    # flatten puts leaf k's pattern at its documented offset, zeros in the padding.
+    tree = jax.tree.unflatten(jax.tree.structure(PLACED), [
+        jnp.asarray(_pattern(k, t.shape, t.dtype), t.dtype) for k, t in enumerate(templates)])
+    expected = [np.zeros(size) for size in padded]
+    for i in range(n):
+        b, offset = place[i]
+        expected[b][offset:offset + sizes[i]] = _pattern(i, templates[i].shape, templates[i].dtype).ravel()
+    buckets = layout.flatten(tree)
+    assert len(buckets) == len(expected)
+    for b, (got, want) in enumerate(zip(buckets, expected)):
+        assert got.dtype == dtypes[members[b][0]]
+        np.testing.assert_array_equal(np.asarray(got, np.float64), want, err_msg=f"bucket {b}")
+
+    # unflatten reads each leaf from its documented place (buckets built here, not by flatten).
+    back = layout.unflatten([jnp.asarray(want, dtypes[members[b][0]]) for b, want in enumerate(expected)])
+    for k, (path, leaf) in enumerate(zip(paths, jax.tree.leaves(back))):
+        assert leaf.shape == templates[k].shape and leaf.dtype == templates[k].dtype, path
+        np.testing.assert_array_equal(np.asarray(leaf, np.float64), _pattern(k, templates[k].shape, templates[k].dtype),
+                                      err_msg=path)
 
 
 def test_table_lists_every_leaf_and_padding():
