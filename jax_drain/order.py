@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
@@ -79,7 +79,13 @@ def _traced_in_shard_map(
         return [x.reshape((1, *x.shape)) for x in jax.tree.leaves(g)[:num_leaves]]
 
     mapped = _compat.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(axes))
-    closed = jax.make_jaxpr(mapped)(params, *args)
+    # Inputs placed as in_specs says (a mesh with explicit axes checks it).
+    placed = jax.tree.map(
+        lambda spec, tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree),
+        tuple(in_specs), (params, *args), is_leaf=lambda x: isinstance(x, P) or x is None,
+    )
+    closed = jax.make_jaxpr(mapped)(*placed)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
     inner = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
     producers = {out: e for e in inner.eqns for out in e.outvars}

@@ -88,3 +88,23 @@ def test_quickstart_runs_and_its_shards_are_the_mean_gradient(capsys):
     got = quickstart.mean_grads
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_example_trains_like_optax_on_one_device():
+    """examples/tensor_parallel.py is the README's tensor-parallel step: it trains, and its
+    params equal plain optax (clip + adamw with the same mask) on one device, whole batches."""
+    import jax
+    import optax
+
+    example = _load("tensor_parallel")
+    assert example.losses[-1] < 0.5 * example.losses[0]
+    reference_loss = lambda p, b: example.jnp.mean(
+        (example.jax.nn.gelu((b["x"] * p["norm"]) @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"] - b["y"]) ** 2)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1, mask=example.decay))
+    params = jax.tree.map(np.asarray, example.params)
+    opt_state = tx.init(params)
+    for batch in example.batches(example.STEPS):
+        updates, opt_state = tx.update(jax.grad(reference_loss)(params, batch), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    for got, want in zip(jax.tree.leaves(jax.device_get(example.state.params)), jax.tree.leaves(params)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=5e-5)
