@@ -242,7 +242,7 @@ def test_layout_helpers(plain_case):
     assert specs.layers == (P(None, "data"),) * len(sync.layer_bucket_sizes)
     assert "blocks/w" in sync.table() and "head" in sync.table() and "ScanGradSync(" in repr(sync)
     everything = ScanGradSync({"blocks": PLAIN["blocks"]}, data_mesh(N), stacked=IS_BLOCK)
-    assert everything.rest_sync is None and everything.shard_specs().rest == ()
+    assert everything.rest_layout is None and everything.shard_specs().rest == ()
 
 
 def test_stacked_leaves_are_detected_from_the_scan():
@@ -278,7 +278,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="stacked must be a predicate .* does not match params"):
         ScanGradSync(PLAIN, mesh, stacked={"nope": True})
     with pytest.raises(ValueError, match="mesh has no axis 'dp'"):
-        ScanGradSync(PLAIN, mesh, "dp", stacked=IS_BLOCK)
+        ScanGradSync(PLAIN, mesh, axis="dp", stacked=IS_BLOCK)
     with pytest.raises(ValueError, match="unknown reduce mode"):
         ScanGradSync(PLAIN, mesh, stacked=IS_BLOCK, reduce="fp8")
     with pytest.raises(ValueError, match="order must be a permutation"):
