@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
@@ -479,6 +480,24 @@ class ChainedSync:
 #: (``jax_drain/gather/expert/bucket{k}``, ``jax_drain/gather/layers/bucket{k}`` for the other
 #: chains), distinct from the reduce-scatter's so schedule checks can tell them apart.
 GATHER_SCOPE = f"{SCOPE_PREFIX}/gather"
+
+
+def check_microbatches(k: Any) -> int:
+    """Validates a micro-batch count: an int >= 1."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"microbatches must be an int >= 1, got {k!r}")
+    return int(k)
+
+
+def split_microbatches(x: Any, k: int) -> jax.Array:
+    """``[k * b, ...]`` -> ``[k, b, ...]``: the micro-batches of one argument."""
+    shape = np.shape(x)
+    if not shape or shape[0] % k:
+        raise ValueError(
+            f"microbatches={k} splits every argument after params along its leading axis; an "
+            f"argument of shape {tuple(shape)} does not split into {k} equal parts"
+        )
+    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
 
 
 def leaf_chain(chains: Sequence[BucketChain], num_leaves: int) -> list[tuple[BucketChain, int]]:

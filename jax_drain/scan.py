@@ -77,13 +77,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
-from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain
+from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, split_microbatches
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
@@ -282,7 +281,8 @@ class ScanGradSync(ChainedSync):
 
     # -- inside shard_map -----------------------------------------------------------------
     def value_and_grad(
-        self, loss_fn: Callable[..., Any], has_aux: bool = False, microbatches: int = 1
+        self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
+        accum_dtype: Any = jnp.float32,
     ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning :class:`ScanShards`; each layer is
         reduce-scattered inside the backward scan.
@@ -295,10 +295,13 @@ class ScanGradSync(ChainedSync):
         ``microbatches=k`` splits every array argument after ``params`` along its leading axis
         into ``k`` micro-batches, run one after another; the float32 shards are accumulated and
         divided by ``k`` (the loss is the mean over micro-batches), and with ``has_aux`` the aux
-        outputs come back stacked ``[k, ...]``.
+        outputs come back stacked ``[k, ...]``. ``accum_dtype`` is accepted for the protocol's
+        sake and must be float32: the shards are accumulated in float32.
         """
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        check_microbatches(microbatches)
+        if accum_dtype is not None and jnp.dtype(accum_dtype) != jnp.float32:
+            raise ValueError("ScanGradSync accumulates the float32 shards of each micro-batch; accum_dtype "
+                             f"must be float32, got {jnp.dtype(accum_dtype)}")
         loss_axes = self.data_axes
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
@@ -391,7 +394,7 @@ class ScanGradSync(ChainedSync):
     def _accumulate(self, loss_fn, has_aux, local, args, kwargs, k):
         """``k`` micro-batches in a loop, each reduce-scattered in its own backward scan; the
         float32 shards (and the local loss) are summed in the loop carry."""
-        args, kwargs = jax.tree.map(lambda x: _split_microbatches(x, k), (args, kwargs))
+        args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
         zeros = (
             jnp.zeros((), jnp.float32),
             ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
@@ -670,13 +673,3 @@ def _check_num_layers(stacked: Sequence[tuple[str, tuple[int, ...]]], num_layers
                 "first, or leave it out of stacked="
             )
     return num_layers
-
-
-def _split_microbatches(x: Any, k: int) -> jax.Array:
-    shape = np.shape(x)
-    if not shape or shape[0] % k:
-        raise ValueError(
-            f"microbatches={k} splits every argument after params along its leading axis; an "
-            f"argument of shape {tuple(shape)} does not split into {k} equal parts"
-        )
-    return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))

@@ -43,10 +43,11 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain
+from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, split_microbatches
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
@@ -308,7 +309,10 @@ class GradSync(ChainedSync):
                 chain.flatten(leaves), mode=self.reduce, divisor=divisor, max_in_flight=self.max_in_flight)
         ])
 
-    def value_and_grad(self, loss_fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
+    def value_and_grad(
+        self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
+        accum_dtype: Any = jnp.float32,
+    ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning reduce-scattered gradient shards.
 
         Call the result inside ``jax.shard_map`` with ``params`` first (replicated, or local
@@ -316,20 +320,53 @@ class GradSync(ChainedSync):
         hidden all-reduce is inserted. Returns ``(loss, shards)`` (``((loss, aux), shards)``
         with ``has_aux``), where ``loss`` is the mean (``average=True``) or sum of the
         per-device losses over the data-parallel axes (``outer_axis`` and ``axis``).
+
+        ``microbatches=k`` splits every argument after ``params`` along its leading axis into
+        ``k`` micro-batches, run one after another in a loop; the local gradients are summed in
+        ``accum_dtype`` (``None``: the gradients' own dtype), their mean is cast to the
+        parameter dtype and reduce-scattered once. The loss is the mean over micro-batches; with
+        ``has_aux`` the aux outputs come back stacked ``[k, ...]``.
         """
-        loss_axes: Any = self.axis if not self.outer_axes else self.outer_axes + self.axes
+        check_microbatches(microbatches)
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad")
-            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(
-                self.local_params(params), *args, **kwargs
-            )
-            loss, aux = out if has_aux else (out, None)
-            loss = jax.lax.pmean(loss, loss_axes) if self.average else jax.lax.psum(loss, loss_axes)
+            local = self.local_params(params)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+            if microbatches == 1:
+                out, grads = grad_fn(local, *args, **kwargs)
+                loss, aux = out if has_aux else (out, None)
+            else:
+                (loss, aux), grads = self._accumulate(grad_fn, has_aux, local, args, kwargs, microbatches, accum_dtype)
+            loss = jax.lax.pmean(loss, self.data_axes) if self.average else jax.lax.psum(loss, self.data_axes)
             shards = self.reduce_scatter(grads)
             return ((loss, aux) if has_aux else loss), shards
 
         return wrapped
+
+    def _accumulate(self, grad_fn, has_aux, local, args, kwargs, k, accum_dtype):
+        """The mean loss and mean local gradient over ``k`` micro-batches (no communication)."""
+        args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
+        leaves = jax.tree.leaves(local)
+        # The carry has the loop outputs' type: a local gradient varies along the axes it is
+        # reduced over and the axes its parameter is sharded along; the loss along the data axes.
+        axes = [pl.reduce_axes + self.outer_axes + pl.spec_axes for pl in self.placements]
+        zeros = [_compat.mark_varying(jnp.zeros(p.shape, accum_dtype or p.dtype), a) for p, a in zip(leaves, axes)]
+        init = (_compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes), zeros)
+
+        def one(carry, micro):
+            total, acc = carry
+            a, kw = micro
+            out, grads = grad_fn(local, *a, **kw)
+            loss, aux = out if has_aux else (out, None)
+            grads = [_compat.mark_varying(g, ax) for g, ax in zip(jax.tree.leaves(grads), axes)]
+            acc = [s + g.astype(s.dtype) for s, g in zip(acc, grads)]
+            return (total + loss.astype(jnp.float32), acc), aux
+
+        (total, acc), aux = jax.lax.scan(one, init, (args, kwargs))
+        # The mean in the accumulator's precision, then the parameter dtype the buckets expect.
+        grads = [(s / k).astype(p.dtype) for s, p in zip(acc, leaves)]
+        return (total / k, aux), jax.tree.unflatten(self._treedef, grads)
 
 
 def local_params(params: PyTree, axis: AxisSpec) -> PyTree:

@@ -65,7 +65,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain.chain import ChainedSync
+from jax_drain.chain import ChainedSync, check_microbatches
 from jax_drain.layout import check_leaves, leaf_paths
 from jax_drain.mesh import AxisSpec, ExpertSpec, as_axes, axes_size, check_mesh_axes, leaf_specs
 from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
@@ -126,9 +126,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
-        k = self.microbatches
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"microbatches must be an int >= 1, got {k!r}")
+        check_microbatches(self.microbatches)
         if self.accum_dtype is not None:
             dtype = jnp.dtype(self.accum_dtype)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -207,8 +205,14 @@ class TrainStep:
     # -- public -----------------------------------------------------------------------------
     @property
     def scan_layers(self) -> bool:
-        """True iff the step uses a :class:`~jax_drain.ScanGradSync` (known once built)."""
-        return isinstance(self.sync, ScanGradSync)
+        """True iff the step reduces a scanned layer stack inside its backward scan (a
+        :class:`~jax_drain.ScanGradSync`; known once built)."""
+        return self.sync is not None and any(chain.num_layers for chain in self.sync.chains)
+
+    @property
+    def _accum_dtype(self) -> Any:
+        # A scanned stack accumulates its float32 shards, whatever the local accumulator's dtype.
+        return jnp.float32 if self.scan_layers else self.config.accum_dtype
 
     def init(self, params: PyTree | nnx.Module | None = None) -> TrainState:
         """A fresh state: the model's current (or the given) params placed on the mesh by their
@@ -331,47 +335,13 @@ class TrainStep:
 
     # -- inside shard_map -------------------------------------------------------------------
     def _sharded_step(self, params: PyTree, opt_state: DistState, rest: PyTree, batch: PyTree):
-        sync, k = self.sync, self.config.microbatches
+        # Closes over `rest`: value_and_grad splits every argument after params into
+        # micro-batches, and the non-param model state must not be split.
         loss_fn = lambda p, b: self._loss(p, rest, b).astype(jnp.float32)
-        if isinstance(sync, ScanGradSync):
-            # Closes over `rest`: value_and_grad splits every argument after params into
-            # micro-batches, and the non-param model state must not be split.
-            loss, shards = sync.value_and_grad(loss_fn, microbatches=k)(params, batch)
-        else:
-            loss, grads = self._local_value_and_grad(loss_fn, params, batch)
-            shards = sync.reduce_scatter(grads)
-            loss = jax.lax.pmean(loss, sync.data_axes)
+        loss, shards = self.sync.value_and_grad(
+            loss_fn, microbatches=self.config.microbatches, accum_dtype=self._accum_dtype)(params, batch)
         params, opt_state = self.optimizer.update(shards, opt_state)
         return params, opt_state, loss
-
-    def _local_value_and_grad(self, loss_fn: Callable, params: PyTree, batch: PyTree):
-        """This device's mean loss and mean gradient over its micro-batches (no communication)."""
-        sync, k = self.sync, self.config.microbatches
-        # Gradients w.r.t. a per-device view: no hidden all-reduce (see GradSync.value_and_grad).
-        local = sync.local_params(params)
-        value_and_grad = jax.value_and_grad(loss_fn)
-        if k == 1:
-            return value_and_grad(local, batch)
-
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-        acc_dtype = self.config.accum_dtype
-        # The carry has the loop outputs' type: a local gradient varies along the axes it is
-        # reduced over and the axes its parameter is sharded along.
-        axes = [pl.reduce_axes + sync.outer_axes + pl.spec_axes for pl in sync.placements]
-        zeros = [_compat.mark_varying(jnp.zeros(p.shape, acc_dtype or p.dtype), a)
-                 for p, a in zip(jax.tree.leaves(local), axes)]
-        carry = (_compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes), zeros)
-
-        def accumulate(carry, mb):
-            total, acc = carry
-            loss, grads = value_and_grad(local, mb)
-            grads = [_compat.mark_varying(g, a) for g, a in zip(jax.tree.leaves(grads), axes)]
-            return (total + loss, [a + g.astype(a.dtype) for a, g in zip(acc, grads)]), None
-
-        (total, acc), _ = jax.lax.scan(accumulate, carry, micro)
-        # Mean in the accumulator's precision, then the parameter dtype the buckets expect.
-        grads = [(a / k).astype(p.dtype) for a, p in zip(acc, jax.tree.leaves(params))]
-        return total / k, jax.tree.unflatten(sync.treedef, grads)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_batch(self, batch: PyTree) -> PyTree:
