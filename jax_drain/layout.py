@@ -112,6 +112,39 @@ def check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
     return order
 
 
+_BUCKET_SIZE_ACCEPTS = "a positive int element count (e.g. 40_000_000) or None (one bucket per dtype)"
+
+
+def check_bucket_size(bucket_size: Any) -> int | None:
+    """``bucket_size`` as an ``int`` (or ``None``), after checking it is a positive whole element
+    count: the one check of ``bucket_size`` for layouts, syncs and train configs. Numpy integers
+    are accepted; strings, floats (even whole ones), bools and counts below 1 are refused with
+    an error naming the value.
+
+    Example::
+
+        >>> check_bucket_size(40_000_000), check_bucket_size(np.int64(512)), check_bucket_size(None)
+        (40000000, 512, None)
+    """
+    if bucket_size is None:
+        return None
+    if isinstance(bucket_size, (bool, np.bool_)) or not isinstance(bucket_size, (int, np.integer)):
+        hint = ""
+        if isinstance(bucket_size, str):
+            digits = bucket_size.strip().replace("_", "")
+            hint = (f": write {int(digits)}, an int, not a string" if digits.isdigit() else
+                    ": a count of elements as an int, not a string with units")
+        elif isinstance(bucket_size, float) and math.isfinite(bucket_size) and bucket_size.is_integer():
+            hint = f": write {int(bucket_size)}, an int"
+        raise TypeError(
+            f"bucket_size must be {_BUCKET_SIZE_ACCEPTS}, got {bucket_size!r} "
+            f"({type(bucket_size).__name__}){hint}"
+        )
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be {_BUCKET_SIZE_ACCEPTS}, got {bucket_size!r}")
+    return int(bucket_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
     """An immutable map from a pytree's leaves to padded flat buckets (dispatch order)."""
@@ -139,8 +172,7 @@ class BucketLayout:
             order: the leaf indices in the order their gradients become ready
                 (``grad_ready_order``); ``None`` means reverse ``jax.tree.leaves`` order.
         """
-        if bucket_size is not None and (isinstance(bucket_size, bool) or int(bucket_size) < 1):
-            raise ValueError(f"bucket_size must be a positive element count or None, got {bucket_size!r}")
+        bucket_size = check_bucket_size(bucket_size)
         if shard_multiple < 1:
             raise ValueError(f"shard_multiple must be >= 1, got {shard_multiple}")
         leaves, treedef = jax.tree.flatten(tree)
