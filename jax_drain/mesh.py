@@ -86,6 +86,43 @@ def as_axes(axis: AxisSpec, what: str, allow_empty: bool = False) -> Axes:
     return axes
 
 
+def check_mesh(mesh: Any) -> None:
+    """Raises ``TypeError`` unless ``mesh`` is a ``jax.sharding.Mesh`` (or an ``AbstractMesh``):
+    a list, tuple or numpy array of devices has no axis names to reduce over.
+
+    Example::
+
+        >>> check_mesh(jax.devices())                                      # doctest: +SKIP
+        TypeError: mesh must be a jax.sharding.Mesh, got a list of 8 devices; ...
+    """
+    if isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+        return
+    if isinstance(mesh, np.ndarray):
+        got, shape, devices = f"a numpy array of shape {mesh.shape}", mesh.shape, "that_array"
+    elif isinstance(mesh, (list, tuple)):
+        got, shape, devices = f"a {type(mesh).__name__} of {len(mesh)} devices", (len(mesh),), "np.array(devices)"
+    else:
+        got, shape, devices = f"{type(mesh).__name__} {mesh!r:.80}", (len(jax.devices()),), "np.array(devices)"
+    names = ("data",) if len(shape) == 1 else tuple(f"axis{i}" for i in range(len(shape)))
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh, got {got}: a mesh names the axes gradients are "
+        f"reduced over. Build one with jax.make_mesh({shape}, {names}) or "
+        f"jax.sharding.Mesh({devices}, {names})"
+    )
+
+
+def check_array_leaves(params: PyTree, what: str = "params") -> None:
+    """Raises ``TypeError`` naming the first leaf of ``params`` that is not an array (or a
+    ``jax.ShapeDtypeStruct``), e.g. a Python ``float``: gradients are synchronised per array."""
+    for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params)):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{what} leaf {path!r} is a Python {type(leaf).__name__} ({leaf!r:.40}), not an array: "
+                f"make it one (jnp.asarray({leaf!r:.40})) or take it out of the trained tree "
+                "(pass it to the loss some other way)"
+            )
+
+
 def check_mesh_axes(mesh: Mesh, axes: Axes, what: str) -> None:
     """Raises ``ValueError`` unless every axis in ``axes`` is one of ``mesh``'s."""
     for a in axes:
@@ -209,6 +246,7 @@ def place_leaves(
 
     Rules (each broken one raises ``ValueError`` naming the axis or leaf):
 
+    * ``mesh`` is a ``jax.sharding.Mesh`` and every leaf an array (``TypeError`` otherwise);
     * every axis named anywhere exists in ``mesh``;
     * ``axes`` and ``outer_axes`` are disjoint (an axis is reduce-scattered or all-reduced);
     * ``expert_axes`` is a subset of ``axes``;
@@ -217,6 +255,8 @@ def place_leaves(
     * an expert param is sharded along every axis of ``axes`` not in ``expert_axes`` (expert
       parallel): replicated there, its gradient would lack the other ranks' tokens.
     """
+    check_mesh(mesh)
+    check_array_leaves(params)
     check_mesh_axes(mesh, axes, "axis")
     check_mesh_axes(mesh, outer_axes, "outer_axis")
     both = [a for a in axes if a in outer_axes]

@@ -4,6 +4,7 @@ damaged checkpoint description, a multi-process worker whose peer never comes or
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,6 +13,7 @@ import pytest
 import jax_drain as jd
 from conftest import data_mesh
 from jax_drain.layout import BucketLayout, check_bucket_size
+from jax_drain.mesh import place_leaves
 
 PARAMS = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))}
 SCANNED = {"blocks": {"w": jnp.zeros((2, 4, 4))}, "head": jnp.zeros((4, 3))}
@@ -78,3 +80,48 @@ def test_train_config_refuses_a_bad_bucket_size_at_construction(value):
         assert re.search(_bucket_size_error(value), str(e)), e
     else:
         raise AssertionError(f"TrainConfig(bucket_size={value!r}) was accepted")
+
+
+# -- Python numbers in the params tree ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("owner", ["GradSync", "ScanGradSync"])
+@pytest.mark.parametrize("leaf", [1.0, 3], ids=["float", "int"])
+def test_a_python_number_leaf_is_refused_naming_its_path(owner, leaf):
+    params = {**PARAMS, "norm": {"scale": leaf}}
+    kind = type(leaf).__name__
+    with pytest.raises(TypeError, match=rf"params leaf 'norm/scale' is a Python {kind} \({leaf!r}\), not an "
+                                        rf"array: make it one \(jnp.asarray\({leaf!r}\)\) or take it out of "
+                                        "the trained tree"):
+        SYNCS[owner](params, data_mesh(8), bucket_size=100)
+
+
+def test_array_and_abstract_leaves_are_accepted():
+    params = {"a": np.zeros(3, np.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32),
+              "c": jnp.asarray(1.0), "d": np.float32(2.0)}
+    assert [p.local_shape for p in place_leaves(params, data_mesh(8), ("data",), ())] == [(3,), (8,), (), ()]
+
+
+# -- a mesh that is not a Mesh ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "array", "array2d"])
+def test_devices_instead_of_a_mesh_are_refused(kind, cpu_devices):
+    mesh = {"list": list(cpu_devices), "tuple": tuple(cpu_devices), "array": np.array(cpu_devices),
+            "array2d": np.array(cpu_devices).reshape(2, 4)}[kind]
+    shape = "(2, 4)" if kind == "array2d" else "(8,)"
+    with pytest.raises(TypeError, match=rf"mesh must be a jax.sharding.Mesh, got .*Build one with "
+                                        rf"jax.make_mesh\({re.escape(shape)}, .*\) or jax.sharding.Mesh\("):
+        place_leaves(PARAMS, mesh, ("data",), ())
+    # A sync over several data axes reaches place_leaves before it reads the mesh itself.
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+        jd.GradSync(PARAMS, mesh, axis=("replica", "data"))
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="GradSync/ScanGradSync read mesh.axis_names before place_leaves checks the mesh; "
+                          "their __init__ should call jax_drain.mesh.check_mesh(mesh) first")
+@pytest.mark.parametrize("owner", ["GradSync", "ScanGradSync"])
+def test_sync_with_one_data_axis_refuses_a_device_list(owner, cpu_devices):
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+        SYNCS[owner](PARAMS, list(cpu_devices), bucket_size=100)
