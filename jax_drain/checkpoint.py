@@ -39,10 +39,15 @@ PyTree = Any
 
 FORMAT_VERSION = 2
 _STATE, _META = "state", "jax_drain"
+_META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint (or checkpoint directory) belongs to a different model or bucket layout."""
+
+
+class CheckpointCorruptError(CheckpointMismatchError):
+    """A checkpoint step's description is missing, truncated or not what jax_drain writes."""
 
 
 def state_description(state: PyTree) -> dict[str, Any]:
@@ -204,13 +209,34 @@ def _steps(directory: pathlib.Path) -> list[int]:
 def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
     ocp = _orbax()
     with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
-        meta = manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
-    if meta.get("format") != FORMAT_VERSION:
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, FileNotFoundError
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise CheckpointCorruptError(_corrupt(directory, step, reason)) from e
+    if not isinstance(meta, dict) or "format" not in meta:
+        raise CheckpointCorruptError(_corrupt(directory, step, f"not a jax_drain description: {str(meta)[:60]!r}"))
+    if meta["format"] != FORMAT_VERSION:
         raise CheckpointMismatchError(
             f"checkpoint step {step} in {directory} has format {meta.get('format')!r}; this "
             f"jax_drain reads format {FORMAT_VERSION}"
         )
+    leaves = meta.get("leaves")
+    if not (isinstance(meta.get("fingerprint"), str) and isinstance(meta.get("layouts"), list)
+            and isinstance(leaves, list) and all(isinstance(x, list) and len(x) == 4 for x in leaves)):
+        raise CheckpointCorruptError(_corrupt(directory, step, "its fingerprint, layouts or leaves are missing or malformed"))
     return meta
+
+
+def _corrupt(directory: pathlib.Path, step: int, reason: str) -> str:
+    others = [s for s in _steps(directory) if s != step]
+    return (
+        f"checkpoint step directory {directory / str(step)} is damaged: its description "
+        f"{directory / str(step) / _META / _META_FILE} is unreadable ({reason}); the save did not "
+        "finish or the file was changed since. "
+        + (f"Restore another step (step=..., saved: {others}) or remove that step directory."
+           if others else f"No other step is saved in {directory}; remove that step directory to save there again.")
+    )
 
 
 def _array_keys(paths: list[str]) -> list[str]:

@@ -2,7 +2,9 @@
 a bad ``bucket_size``, a Python number in the params tree, a list of devices for a mesh, a
 damaged checkpoint description, a multi-process worker whose peer never comes or dies."""
 
+import json
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 
 import jax_drain as jd
 from conftest import data_mesh
+from jax_drain.checkpoint import CheckpointCorruptError
 from jax_drain.layout import BucketLayout, check_bucket_size
 from jax_drain.mesh import place_leaves
 
@@ -125,3 +128,59 @@ def test_devices_instead_of_a_mesh_are_refused(kind, cpu_devices):
 def test_sync_with_one_data_axis_refuses_a_device_list(owner, cpu_devices):
     with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
         SYNCS[owner](PARAMS, list(cpu_devices), bucket_size=100)
+
+
+# -- damaged checkpoint descriptions ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 of a small state, saved once; each test damages a copy."""
+    directory = tmp_path_factory.mktemp("saved")
+    state = {"w": jnp.arange(6.0), "b": jnp.ones(3, jnp.bfloat16)}
+    jd.save_checkpoint(directory, state, step=1)
+    jd.save_checkpoint(directory, state, step=2)
+    return directory, state
+
+
+DAMAGE = {
+    "truncated": lambda f: f.write_text(f.read_text()[: len(f.read_text()) // 2]),
+    "empty": lambda f: f.write_text(""),
+    "garbage": lambda f: f.write_bytes(b"\x00\xff\xfe not json"),
+    "not_a_dict": lambda f: f.write_text("[1, 2]"),
+    "fields_missing": lambda f: f.write_text(json.dumps({"format": 2, "step": 2})),
+    "leaves_mangled": lambda f: f.write_text(json.dumps({**json.loads(f.read_text()), "leaves": [["w"]]})),
+    "deleted": lambda f: f.unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_description_names_the_step_and_file(damage, saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    metadata = directory / "2" / "jax_drain" / "metadata"
+    assert metadata.is_file()
+    DAMAGE[damage](metadata)
+    expected = (rf"checkpoint step directory {re.escape(str(directory / '2'))} is damaged: its description "
+                rf"{re.escape(str(metadata))} is unreadable \(.+\); .*Restore another step \(step=\.\.\., "
+                r"saved: \[1\]\)")
+    with pytest.raises(jd.CheckpointMismatchError, match=expected) as info:
+        jd.restore_checkpoint(directory, saved[1])
+    assert isinstance(info.value, CheckpointCorruptError)
+    # Saving next to it is refused the same way, before anything is written.
+    before = sorted(p.name for p in directory.iterdir())
+    with pytest.raises(CheckpointCorruptError, match=re.escape(str(metadata))):
+        jd.save_checkpoint(directory, saved[1], step=3)
+    assert sorted(p.name for p in directory.iterdir()) == before
+    # The other step is intact.
+    state, _ = jd.restore_checkpoint(directory, saved[1], step=1)
+    np.testing.assert_array_equal(state["w"], saved[1]["w"])
+
+
+def test_damaged_only_step_says_so(saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    shutil.rmtree(directory / "1")
+    (directory / "2" / "jax_drain" / "metadata").write_text("{")
+    with pytest.raises(CheckpointCorruptError, match=r"No other step is saved in .*; remove that step directory"):
+        jd.restore_checkpoint(directory, saved[1])
