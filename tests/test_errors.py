@@ -5,6 +5,9 @@ damaged checkpoint description, a multi-process worker whose peer never comes or
 import json
 import re
 import shutil
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from conftest import data_mesh
 from jax_drain.checkpoint import CheckpointCorruptError
 from jax_drain.layout import BucketLayout, check_bucket_size
 from jax_drain.mesh import place_leaves
+from jax_drain.testing import multiprocess as worker
 
 PARAMS = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))}
 SCANNED = {"blocks": {"w": jnp.zeros((2, 4, 4))}, "head": jnp.zeros((4, 3))}
@@ -184,3 +188,52 @@ def test_damaged_only_step_says_so(saved, tmp_path):
     (directory / "2" / "jax_drain" / "metadata").write_text("{")
     with pytest.raises(CheckpointCorruptError, match=r"No other step is saved in .*; remove that step directory"):
         jd.restore_checkpoint(directory, saved[1])
+
+
+# -- a multi-process worker whose peer never comes or dies -------------------------------------------
+
+PEER_TIMEOUT_S = 5
+
+
+def _start_worker(process_id, port, out_dir, *extra):
+    env, root = worker.worker_env(devices_per_process=4)
+    cmd = [sys.executable, "-m", "jax_drain.testing.multiprocess", "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--process-id", str(process_id), "--timeout", str(PEER_TIMEOUT_S),
+           "--out", str(out_dir), *extra]
+    return subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, limit=60):
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the worker still waited after {limit} s; its stderr ends with:\n{err[-2000:]}")
+    return proc.returncode, err
+
+
+def test_multiprocess_worker_says_which_peer_did_not_join(tmp_path):
+    start = time.monotonic()
+    port = worker.free_port()
+    code, err = _finish(_start_worker(0, port, tmp_path))  # process 1 is never started
+    assert code == worker.PEER_FAILURE_EXIT, err[-2000:]
+    line = (f"worker 0: process 1 of 2 did not join within {PEER_TIMEOUT_S} s at coordinator 127.0.0.1:{port} "
+            "(not started, crashed, or given another --coordinator or --num-processes); check the other hosts' logs")
+    assert line in err.splitlines(), err[-2000:]
+    assert "Check failure stack trace" not in err  # the line came instead of the runtime's abort
+    assert time.monotonic() - start < 30
+
+
+def test_multiprocess_worker_says_when_its_peer_died(tmp_path):
+    start = time.monotonic()
+    port = worker.free_port()
+    first = _start_worker(0, port, tmp_path)
+    second = _start_worker(1, port, tmp_path, "--crash-after-join")
+    code1, err1 = _finish(second)
+    code0, err0 = _finish(first)
+    assert code1 == 3 and "exiting on purpose after joining" in err1, err1[-2000:]
+    assert code0 == worker.PEER_FAILURE_EXIT, err0[-2000:]
+    assert re.search(r"^worker 0: process 1 of 2 died (or hangs|or stopped answering): .*; check the other "
+                     r"hosts' logs$", err0, re.M), err0[-2000:]
+    assert time.monotonic() - start < 40

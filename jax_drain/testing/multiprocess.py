@@ -22,6 +22,11 @@ Usage (``n`` = global device count, a multiple of 4)::
     python -m jax_drain.testing.multiprocess --platform gpu --coordinator HOST0:12345 \\
         --num-processes 2 --process-id $RANK --out /shared/mp
 
+A worker started by hand gives up when its peers do not join within ``--timeout`` seconds
+(default 120) or the run does not finish as long after they joined (a peer died or hangs): it
+prints one line saying which process did not come and exits with status 4, instead of waiting
+for the runtime's own abort.
+
 Programmatic: ``launch_local(2, 4, out_dir, timeout=240)`` (what tests/test_multiprocess.py
 does) and ``run(jax.devices())``.
 """
@@ -29,17 +34,25 @@ does) and ``run(jax.devices())``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 D, H, LAYERS = 32, 64, 2
+
+# A worker started with --coordinator waits at most this long (--timeout) for the other processes
+# to join, then as long again for the run; it exits with PEER_FAILURE_EXIT when they do not come.
+WORKER_TIMEOUT_S, LAUNCH_TIMEOUT_S = 120.0, 240.0
+PEER_FAILURE_EXIT = 4
 
 
 def free_port() -> int:
@@ -184,11 +197,21 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 0.
     return problems
 
 
+def worker_env(devices_per_process: int) -> tuple[dict[str, str], str]:
+    """The environment of a local CPU worker process with ``devices_per_process`` devices, and
+    the directory to start it in (the one holding the jax_drain package)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    return env, root
+
+
 def launch_local(
     num_processes: int,
     devices_per_process: int,
     out_dir: str | os.PathLike,
-    timeout: float = 240.0,
+    timeout: float = LAUNCH_TIMEOUT_S,
     crash: Sequence[int] = (),
 ) -> list[str]:
     """Runs ``num_processes`` CPU workers on localhost (gloo collectives) and waits for them.
@@ -202,10 +225,7 @@ def launch_local(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding the jax_drain package
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    env, root = worker_env(devices_per_process)
     procs = []
     logs = []
     for i in range(num_processes):
@@ -252,6 +272,54 @@ def launch_local(
         stop_all()
 
 
+def _peers(process_id: int, num_processes: int) -> str:
+    """The other processes, for messages: ``process 1 of 2``."""
+    others = [i for i in range(num_processes) if i != process_id]
+    return f"process {others[0]} of {num_processes}" if len(others) == 1 else (
+        f"one of processes {others} (of {num_processes})")
+
+
+def _give_up(line: str, status: int = PEER_FAILURE_EXIT, dump: str = "") -> None:
+    """Ends this process now, one line on stderr (then ``dump``): no atexit handler, whose
+    ``jax.distributed.shutdown`` would wait for the missing peer again."""
+    print(line, file=sys.stderr, flush=True)
+    if dump:
+        print(dump, file=sys.stderr, end="", flush=True)
+    sys.stdout.flush()
+    os._exit(status)
+
+
+class _Watchdog:
+    """Bounds a worker's waits for its peers: each phase (:meth:`expect`) must end within
+    ``timeout`` s, or the process ends with that phase's one-line message. It runs in a thread:
+    ``jax.distributed.initialize`` and collectives wait in C++ (without the GIL) for peers that
+    may never come, until the runtime's own, longer, timeouts abort the process."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._deadline, self._message = math.inf, ""
+        threading.Thread(target=self._watch, name="jax_drain-peer-watchdog", daemon=True).start()
+
+    def expect(self, message: str) -> None:
+        """A new phase: it must end within ``timeout`` s, else ``message`` and exit."""
+        with self._lock:
+            self._deadline, self._message = time.monotonic() + self.timeout, message
+
+    def stop(self) -> None:
+        with self._lock:
+            self._deadline = math.inf
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                expired = time.monotonic() > self._deadline
+                message = self._message
+            if expired:
+                _give_up(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_drain.testing.multiprocess", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for process{ID}.npz")
@@ -262,11 +330,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
     p.add_argument("--launch", type=int, metavar="N", help="start N local CPU processes and wait for them")
     p.add_argument("--devices-per-process", type=int, default=4, help="with --launch")
-    p.add_argument("--timeout", type=float, default=240.0, help="with --launch, seconds")
+    p.add_argument("--timeout", type=float,
+                   help=f"seconds; with --launch: for the whole run (default {LAUNCH_TIMEOUT_S:g}); with "
+                        f"--coordinator: for the other processes to join, then for the run (default "
+                        f"{WORKER_TIMEOUT_S:g}), else exit with status {PEER_FAILURE_EXIT}")
     p.add_argument("--compare", nargs=2, metavar="NPZ", help="compare two result files and exit")
     p.add_argument("--rtol", type=float, default=0.0,
                    help=f"with --compare: 0 means bit for bit (losses to {LOSS_RTOL}); e.g. 1e-5 for GPU vs CPU")
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--crash-after-join", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -279,8 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if problems else 0
     if not args.out:
         _parser().error("--out is required")
+    if args.timeout is not None and not args.timeout > 0:
+        _parser().error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.launch:
-        launch_local(args.launch, args.devices_per_process, args.out, args.timeout)
+        launch_local(args.launch, args.devices_per_process, args.out, args.timeout or LAUNCH_TIMEOUT_S)
         print(f"{args.launch} processes finished; results in {args.out}")
         return 0
     if args.crash:
@@ -293,18 +367,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
         if args.num_processes > 1:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if args.coordinator:
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=120)
+    if not args.coordinator:
+        _run_and_save(args)
+        return 0
+    timeout = args.timeout or WORKER_TIMEOUT_S
+    me, peers = f"worker {args.process_id}", _peers(args.process_id, args.num_processes)
+    watchdog = _Watchdog(timeout)
+    watchdog.expect(
+        f"{me}: {peers} did not join within {timeout:g} s at coordinator {args.coordinator} (not started, "
+        "crashed, or given another --coordinator or --num-processes); check the other hosts' logs"
+    )
+    # The runtime's own timeouts are longer than the watchdog's: its message comes first.
+    slack = math.ceil(timeout) + 30
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=slack,
+                               heartbeat_timeout_seconds=max(100, slack))
+    if args.crash_after_join:
+        _give_up(f"{me}: exiting on purpose after joining (--crash-after-join)", 3)
+    watchdog.expect(
+        f"{me}: {peers} died or hangs: the run did not finish within {timeout:g} s after all "
+        f"{args.num_processes} processes joined; check the other hosts' logs"
+    )
+    try:
+        _run_and_save(args)
+        jax.distributed.shutdown()
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a collective or the coordination service
+            _give_up(f"{me}: {peers} died or stopped answering: a collective failed ({type(e).__name__}: "
+                     f"{first}); check the other hosts' logs", PEER_FAILURE_EXIT, traceback.format_exc())
+        _give_up(f"{me} failed ({type(e).__name__}: {first}); the other processes give up after their "
+                 "--timeout", 1, traceback.format_exc())
+    watchdog.stop()
+    return 0
+
+
+def _run_and_save(args: argparse.Namespace) -> None:
+    import jax
+
     start = time.perf_counter()
     results = run(jax.devices(), steps=args.steps)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     np.savez(Path(args.out) / f"process{jax.process_index()}.npz", **results)
     print(f"process {jax.process_index()}/{jax.process_count()}: {len(jax.devices())} devices, "
           f"{len(results)} arrays in {time.perf_counter() - start:.1f} s")
-    if args.coordinator:
-        jax.distributed.shutdown()
-    return 0
 
 
 if __name__ == "__main__":
