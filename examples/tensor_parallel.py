@@ -57,7 +57,7 @@ step = jd.make_train_step(
 state = step.init()
 losses = []
 for batch in batches(STEPS):
-    state, loss = step(state, batch)
-    losses.append(float(loss))
+    state, metrics = step(state, batch)
+    losses.append(float(metrics.loss))
 print(step.sync.table())
 print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps; w_in is {state.params['w_in'].sharding.spec}")

@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     progress = Progress(args.steps, start, args.log_every)
     t0 = time.perf_counter()
     for i in range(start, args.steps):
-        state, loss = step_fn(state, corpus.batch(i, args.batch_size, args.seq_len, args.seed))
-        losses.append(float(loss))  # syncs every step: fine at this size, and the bar needs it
+        state, metrics = step_fn(state, corpus.batch(i, args.batch_size, args.seq_len, args.seed))
+        losses.append(float(metrics.loss))  # syncs every step: fine at this size, and the bar needs it
         if not math.isfinite(losses[-1]):
             raise SystemExit(f"loss became {losses[-1]} at step {i + 1}")
         progress.update(i + 1, losses)

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     state = step.init()
     losses = []
     for i in range(args.steps):
-        state, loss = step(state, batch_at(i))
-        losses.append(float(loss))
+        state, metrics = step(state, batch_at(i))
+        losses.append(float(metrics.loss))
         if (i + 1) % max(1, args.steps // 5) == 0:
             print(f"step {i + 1:4d}  loss {losses[-1]:.5f}")
     print(f"{step.sync.num_buckets} buckets; loss {losses[0]:.5f} -> {losses[-1]:.5f}")

@@ -10,13 +10,14 @@ from jax_drain.checkpoint import CheckpointMismatchError, restore_checkpoint, sa
 from jax_drain.collectives import REDUCE_MODES, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import Bucket, BucketLayout, LeafSlot
+from jax_drain.losses import WeightedLoss
 from jax_drain.optimizer import (
     DistributedOptimizer, DistState, FlatShards, adamw, clip_by_global_norm, global_norm, masked,
 )
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, ScanShards, stacked_leaves
 from jax_drain.sync import GradSync, Shards, local_params
-from jax_drain.train import TrainConfig, TrainState, TrainStep, make_train_step
+from jax_drain.train import StepMetrics, TrainConfig, TrainState, TrainStep, make_train_step
 
 __version__ = "0.1.0"
 
@@ -34,9 +35,11 @@ __all__ = [
     "ScanGradSync",
     "ScanShards",
     "Shards",
+    "StepMetrics",
     "TrainConfig",
     "TrainState",
     "TrainStep",
+    "WeightedLoss",
     "adamw",
     "clip_by_global_norm",
     "global_norm",
@@ -50,3 +53,12 @@ __all__ = [
     "sequenced_map",
     "stacked_leaves",
 ]
+
+
+def __getattr__(name: str):
+    # ``jd.plan``: the compile-only planner, imported on first use only (the runtime never loads it).
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module("jax_drain.plan")
+    raise AttributeError(f"module 'jax_drain' has no attribute {name!r}")

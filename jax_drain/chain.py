@@ -423,6 +423,24 @@ class ChainedSync:
         require_bound_axes(owner, self.mesh, self.axes)
         require_bound_axes(owner, self.mesh, needed)
 
+    def finish(self, total: jax.Array, count: jax.Array | None, shards: Any) -> tuple[jax.Array, Any]:
+        """The reported loss and the final shards from this device's loss ``total`` (and, for a
+        :class:`~jax_drain.WeightedLoss`, its ``count``) and the reduce-scattered shards.
+
+        A weighted loss's shards hold the sum of the local gradient sums over ``data_size``:
+        they are rescaled to the sum over the global count (with ``average``), and the loss is
+        the global total over the global count.
+        """
+        axes = self.data_axes
+        if count is None:
+            return (jax.lax.pmean(total, axes) if self.average else jax.lax.psum(total, axes)), shards
+        global_total = jax.lax.psum(total, axes)
+        if not self.average:
+            return global_total, shards
+        global_count = jax.lax.psum(count, axes)
+        scale = self.data_size / global_count
+        return global_total / global_count, self.pack_shards([s * scale for s in self.flat_shards(shards)])
+
     def init_master(self, params: PyTree) -> Any:
         """This device's float32 slices of ``params`` (local blocks), laid out like the gradient
         shards (the sync's output type): the master shards of a distributed optimizer, padding
@@ -498,6 +516,22 @@ def split_microbatches(x: Any, k: int) -> jax.Array:
             f"argument of shape {tuple(shape)} does not split into {k} equal parts"
         )
     return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
+
+
+def check_state_replicated(old: Any, new: Any, axes: Sequence[str]) -> None:
+    """Refuses a loss function's new state that differs across the data-parallel devices: it is
+    kept once for all of them (e.g. BatchNorm statistics need ``axis_name`` set to the data axes)."""
+    if new is None:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(new):
+        varying = [a for a in axes if a in _compat.varying_axes(leaf)]
+        if varying:
+            raise ValueError(
+                f"the model state {jax.tree_util.keystr(path)} differs across the data-parallel devices "
+                f"(it varies along {varying}), but it is kept once for all of them. Batch statistics: "
+                f"give the BatchNorm axis_name={tuple(axes) if len(axes) > 1 else axes[0]!r} so they "
+                "are averaged over the whole batch"
+            )
 
 
 def leaf_chain(chains: Sequence[BucketChain], num_leaves: int) -> list[tuple[BucketChain, int]]:

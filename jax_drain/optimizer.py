@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ from jax_drain.layout import BucketLayout, leaf_paths
 from jax_drain.mesh import broadcast_prefix
 
 __all__ = [
-    "GATHER_SCOPE", "DistState", "DistributedOptimizer", "FlatShards", "adamw", "clip_by_global_norm",
+    "GATHER_SCOPE", "DistState", "DistributedOptimizer", "FlatShards", "UpdateReport", "adamw", "clip_by_global_norm",
     "global_norm", "masked",
 ]
 
@@ -102,6 +102,16 @@ class DistState:
     master: tuple[jax.Array, ...]
     inner: PyTree
     fingerprint: str
+
+
+class UpdateReport(NamedTuple):
+    """What :meth:`DistributedOptimizer.update_and_report` saw: the global float32 gradient
+    norm (every element counted once), the number of buckets with a non-finite gradient
+    element, and whether the update was skipped."""
+
+    grad_norm: jax.Array
+    nonfinite_buckets: jax.Array
+    skipped: jax.Array
 
 
 # -- what tx sees: flat shards that know where their elements come from ------------------------
@@ -468,15 +478,51 @@ class DistributedOptimizer:
             ``(params, state)``: the updated parameters (local blocks, their own dtypes;
             gathered bucket by bucket, forward order) and the new state.
         """
+        params, state, _ = self.update_and_report(grads, state)
+        return params, state
+
+    def update_and_report(
+        self, grads: Any, state: DistState, *, skip_nonfinite: bool = False,
+        skip_grad_norm_above: float | None = None,
+    ) -> tuple[PyTree, DistState, "UpdateReport"]:
+        """:meth:`update` that also reports the gradient and may skip the step.
+
+        Each gradient shard is checked for non-finite elements (one reduction on the shard; the
+        per-bucket flags combined over the mesh with one small ``pmax``), and the global norm is
+        computed as :func:`global_norm` does. With ``skip_nonfinite`` a step with a non-finite
+        bucket (or, with ``skip_grad_norm_above``, a gradient norm above it: Megatron's check for
+        large gradients) leaves the master shards and ``tx`` state unchanged, bit for bit, and
+        gathers the unchanged parameters; the decision is the same on every device.
+
+        Returns ``(params, state, report)``, ``report`` an :class:`UpdateReport`.
+        """
         self.sync.require_inside_shard_map("DistributedOptimizer.update")
         self._check_local_state(state)
         grads = self._check_grads(self.sync.flat_shards(grads))
+        grad_norm = jnp.sqrt(self._view.sum_of_squares(grads))
+        nonfinite = self._nonfinite_buckets(grads)
+        skip = jnp.zeros((), bool)
+        if skip_nonfinite:
+            skip = nonfinite > 0
+        if skip_grad_norm_above is not None:
+            skip = skip | (grad_norm > skip_grad_norm_above)
         updates, inner = self.tx.update(
             FlatShards(grads, self._view), state.inner, FlatShards(state.master, self._view))
         updates = self._zero_padding(updates.shards)
         # optax.apply_updates, in float32.
         master = tuple((m + u.astype(jnp.float32)).astype(jnp.float32) for m, u in zip(state.master, updates))
-        return self.gather_params(master), DistState(master, inner, self.fingerprint)
+        if skip_nonfinite or skip_grad_norm_above is not None:
+            keep = lambda old, new: jnp.where(skip, old, new)
+            master = tuple(keep(o, n) for o, n in zip(state.master, master))
+            inner = jax.tree.map(keep, state.inner, inner)
+        report = UpdateReport(grad_norm, nonfinite, skip)
+        return self.gather_params(master), DistState(master, inner, self.fingerprint), report
+
+    def _nonfinite_buckets(self, grads: Sequence[jax.Array]) -> jax.Array:
+        """How many buckets hold a non-finite gradient element on some device (int32)."""
+        flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in grads]).astype(jnp.int32)
+        axes = tuple(self.sync.mesh.axis_names)
+        return jnp.sum(jax.lax.pmax(_compat.mark_varying(flags, axes), axes))
 
     def gather_params(self, master: Sequence[jax.Array]) -> PyTree:
         """The parameter tree (local blocks) from flat master shards; call inside ``shard_map``.

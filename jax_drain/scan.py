@@ -82,10 +82,13 @@ from jax.sharding import Mesh
 
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
-from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, split_microbatches
+from jax_drain.chain import (
+    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
+)
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
+from jax_drain.losses import LocalStep, pack_value, split_output
 from jax_drain.mesh import as_axes, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
@@ -282,7 +285,7 @@ class ScanGradSync(ChainedSync):
     # -- inside shard_map -----------------------------------------------------------------
     def value_and_grad(
         self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
-        accum_dtype: Any = jnp.float32,
+        accum_dtype: Any = jnp.float32, has_state: bool = False,
     ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning :class:`ScanShards`; each layer is
         reduce-scattered inside the backward scan.
@@ -290,7 +293,9 @@ class ScanGradSync(ChainedSync):
         Call the result inside ``jax.shard_map`` with the replicated ``params`` first:
         ``loss, shards = sync.value_and_grad(loss_fn)(params, batch)``. Gradients are taken
         w.r.t. a per-device view of ``params`` (no hidden all-reduce). ``loss`` is the mean
-        (``average=True``) or sum over the data axes of the per-device losses.
+        (``average=True``) or sum over the data axes of the per-device losses; a
+        :class:`~jax_drain.WeightedLoss` and ``has_state`` work as for
+        :meth:`GradSync.value_and_grad <jax_drain.GradSync.value_and_grad>`.
 
         ``microbatches=k`` splits every array argument after ``params`` along its leading axis
         into ``k`` micro-batches, run one after another; the float32 shards are accumulated and
@@ -302,18 +307,19 @@ class ScanGradSync(ChainedSync):
         if accum_dtype is not None and jnp.dtype(accum_dtype) != jnp.float32:
             raise ValueError("ScanGradSync accumulates the float32 shards of each micro-batch; accum_dtype "
                              f"must be float32, got {jnp.dtype(accum_dtype)}")
-        loss_axes = self.data_axes
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad")
             self.check_tree(params, "params")
             local = jax.tree.leaves(self.local_params(params))
+            state, args = (args[0], args[1:]) if has_state else (None, args)
+            run = lambda state, a, kw: self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, a, kw)
             if microbatches == 1:
-                (loss, aux), shards = self._value_and_grad_once(loss_fn, has_aux, local, args, kwargs)
+                out, shards = run(state, args, kwargs)
             else:
-                (loss, aux), shards = self._accumulate(loss_fn, has_aux, local, args, kwargs, microbatches)
-            loss = jax.lax.pmean(loss, loss_axes) if self.average else jax.lax.psum(loss, loss_axes)
-            return ((loss, aux) if has_aux else loss), shards
+                out, shards = self._accumulate(run, state, args, kwargs, microbatches)
+            loss, shards = self.finish(out.total, out.count, shards)
+            return pack_value(loss, out.aux, out.state, has_aux, has_state), shards
 
         return wrapped
 
@@ -349,15 +355,16 @@ class ScanGradSync(ChainedSync):
     def _divisor(self) -> int:
         return self.data_size if self.average else 1
 
-    def _value_and_grad_once(self, loss_fn, has_aux, local, args, kwargs):
-        """This device's ``(loss, aux)`` and the shards, the layer scan rewritten (module doc)."""
-        flat_args, args_tree = jax.tree.flatten((args, kwargs))
+    def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, args, kwargs):
+        """This device's :class:`~jax_drain.losses.LocalStep` and the shards, the layer scan
+        rewritten (module doc)."""
+        flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
         num_params = len(local)
 
         def flat_loss(*flat):
             params = jax.tree.unflatten(self._treedef, flat[:num_params])
-            a, kw = jax.tree.unflatten(args_tree, flat[num_params:])
-            return loss_fn(params, *a, **kw)
+            st, a, kw = jax.tree.unflatten(args_tree, flat[num_params:])
+            return loss_fn(params, st, *a, **kw) if has_state else loss_fn(params, *a, **kw)
 
         closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*local, *flat_args)
         out_tree = jax.tree.structure(out_shape)
@@ -374,12 +381,11 @@ class ScanGradSync(ChainedSync):
             rewriter = _ScanRewriter(self, stacked_values, dummies)
             rewriters.append(rewriter)
             outs = rewriter.eval(closed.jaxpr, closed.consts, [*inputs, *flat_args], tracked)
-            out = jax.tree.unflatten(out_tree, outs)
-            loss, aux = out if has_aux else (out, None)
-            return loss, aux
+            step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
+            return step.total, step
 
         rest_local = [local[i] for i in self._rest]
-        (loss, aux), (rest_grads, layer_shards) = jax.value_and_grad(
+        (_, step), (rest_grads, layer_shards) = jax.value_and_grad(
             differentiable, argnums=(0, 1), has_aux=True
         )(rest_local, dummies)
         if not any(r.found for r in rewriters):
@@ -389,31 +395,34 @@ class ScanGradSync(ChainedSync):
                 "the leaves the layer scan takes as its scanned inputs (see jax_drain.scan."
                 "stacked_leaves), or use jax_drain.GradSync for an unrolled model"
             )
-        return (loss, aux), ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards))
+        check_state_replicated(state, step.state, self.data_axes)
+        return step, ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards))
 
-    def _accumulate(self, loss_fn, has_aux, local, args, kwargs, k):
+    def _accumulate(self, run, state, args, kwargs, k):
         """``k`` micro-batches in a loop, each reduce-scattered in its own backward scan; the
-        float32 shards (and the local loss) are summed in the loop carry."""
+        float32 shards (and the local loss and count) are summed in the loop carry."""
         args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
-        zeros = (
-            jnp.zeros((), jnp.float32),
-            ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
-                       tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes)),
-        )
+        zeros = ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
+                           tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes))
         # The carry has the loop outputs' type: the loss varies along every data axis, the shards
         # along ``axis`` (the outer all-reduce makes them equal along ``outer_axis``).
-        init = (_compat.mark_varying(zeros[0], self.data_axes),
-                jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros[1]))
+        scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes)
+        init = (scalar(), scalar(), jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros), state)
+        weighted: list[bool] = []  # filled while the loop body is traced
 
         def one(carry, micro):
-            total, acc = carry
+            total, count, acc, state = carry
             a, kw = micro
-            (loss, aux), shards = self._value_and_grad_once(loss_fn, has_aux, local, a, kw)
+            step, shards = run(state, a, kw)
+            weighted.append(step.count is not None)
             acc = jax.tree.map(jnp.add, acc, shards)
-            return (total + loss.astype(jnp.float32), acc), aux
+            count = count + (1.0 if step.count is None else step.count)
+            return (total + step.total, count, acc, step.state), step.aux
 
-        (total, acc), aux = jax.lax.scan(one, init, (args, kwargs))
-        return (total / k, aux), jax.tree.map(lambda s: s / k, acc)
+        (total, count, acc, state), aux = jax.lax.scan(one, init, (args, kwargs))
+        if weighted[0]:  # sums: finish() divides by the global count
+            return LocalStep(total, count, aux, state), acc
+        return LocalStep(total / k, None, aux, state), jax.tree.map(lambda s: s / k, acc)
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards."""

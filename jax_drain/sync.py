@@ -47,10 +47,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.chain import SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, split_microbatches
+from jax_drain.chain import (
+    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
+)
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
+from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
 from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, place_leaves
 
 PyTree = Any
@@ -311,7 +314,7 @@ class GradSync(ChainedSync):
 
     def value_and_grad(
         self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
-        accum_dtype: Any = jnp.float32,
+        accum_dtype: Any = jnp.float32, has_state: bool = False,
     ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning reduce-scattered gradient shards.
 
@@ -321,52 +324,67 @@ class GradSync(ChainedSync):
         with ``has_aux``), where ``loss`` is the mean (``average=True``) or sum of the
         per-device losses over the data-parallel axes (``outer_axis`` and ``axis``).
 
-        ``microbatches=k`` splits every argument after ``params`` along its leading axis into
-        ``k`` micro-batches, run one after another in a loop; the local gradients are summed in
-        ``accum_dtype`` (``None``: the gradients' own dtype), their mean is cast to the
-        parameter dtype and reduce-scattered once. The loss is the mean over micro-batches; with
-        ``has_aux`` the aux outputs come back stacked ``[k, ...]``.
+        ``loss_fn`` may return a :class:`~jax_drain.WeightedLoss` ``(total, count)``: the
+        gradient is then that of the global total divided by the global count, over every
+        device and micro-batch, and ``loss`` the global per-count mean.
+
+        ``microbatches=k`` splits every argument after ``params`` (and ``state``) along its
+        leading axis into ``k`` micro-batches, run one after another in a loop; the local
+        gradients are summed in ``accum_dtype`` (``None``: the gradients' own dtype), their mean
+        is cast to the parameter dtype and reduce-scattered once. The loss is the mean over
+        micro-batches; with ``has_aux`` the aux outputs come back stacked ``[k, ...]``.
+
+        ``has_state``: ``loss_fn(params, state, *args)`` returns ``(output, new_state)`` (e.g.
+        Flax batch statistics, RNG counters); the state is threaded through the micro-batches,
+        never split, and the value becomes ``(loss_value, new_state)``.
         """
         check_microbatches(microbatches)
+        local_step = local_value_and_grad(loss_fn, has_aux, has_state)
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad")
             local = self.local_params(params)
-            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+            state, args = (args[0], args[1:]) if has_state else (None, args)
             if microbatches == 1:
-                out, grads = grad_fn(local, *args, **kwargs)
-                loss, aux = out if has_aux else (out, None)
+                out, grads = local_step(local, state, args, kwargs)
+                check_state_replicated(state, out.state, self.data_axes)
             else:
-                (loss, aux), grads = self._accumulate(grad_fn, has_aux, local, args, kwargs, microbatches, accum_dtype)
-            loss = jax.lax.pmean(loss, self.data_axes) if self.average else jax.lax.psum(loss, self.data_axes)
-            shards = self.reduce_scatter(grads)
-            return ((loss, aux) if has_aux else loss), shards
+                out, grads = self._accumulate(local_step, local, state, args, kwargs, microbatches, accum_dtype)
+            loss, shards = self.finish(out.total, out.count, self.reduce_scatter(grads))
+            return pack_value(loss, out.aux, out.state, has_aux, has_state), shards
 
         return wrapped
 
-    def _accumulate(self, grad_fn, has_aux, local, args, kwargs, k, accum_dtype):
-        """The mean loss and mean local gradient over ``k`` micro-batches (no communication)."""
+    def _accumulate(self, local_step, local, state, args, kwargs, k, accum_dtype):
+        """``k`` micro-batches in a loop: the summed (weighted) or mean local gradient and loss,
+        no communication; ``state`` is carried from one micro-batch to the next."""
         args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
         leaves = jax.tree.leaves(local)
         # The carry has the loop outputs' type: a local gradient varies along the axes it is
         # reduced over and the axes its parameter is sharded along; the loss along the data axes.
         axes = [pl.reduce_axes + self.outer_axes + pl.spec_axes for pl in self.placements]
         zeros = [_compat.mark_varying(jnp.zeros(p.shape, accum_dtype or p.dtype), a) for p, a in zip(leaves, axes)]
-        init = (_compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes), zeros)
+        scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes)
+        weighted: list[bool] = []  # filled while the loop body is traced
 
         def one(carry, micro):
-            total, acc = carry
+            total, count, acc, state = carry
             a, kw = micro
-            out, grads = grad_fn(local, *a, **kw)
-            loss, aux = out if has_aux else (out, None)
+            out, grads = local_step(local, state, a, kw)
+            check_state_replicated(state, out.state, self.data_axes)
+            weighted.append(out.count is not None)
             grads = [_compat.mark_varying(g, ax) for g, ax in zip(jax.tree.leaves(grads), axes)]
             acc = [s + g.astype(s.dtype) for s, g in zip(acc, grads)]
-            return (total + loss.astype(jnp.float32), acc), aux
+            count = count + (1.0 if out.count is None else out.count)
+            return (total + out.total, count, acc, out.state), out.aux
 
-        (total, acc), aux = jax.lax.scan(one, init, (args, kwargs))
-        # The mean in the accumulator's precision, then the parameter dtype the buckets expect.
-        grads = [(s / k).astype(p.dtype) for s, p in zip(acc, leaves)]
-        return (total / k, aux), jax.tree.unflatten(self._treedef, grads)
+        (total, count, acc, state), aux = jax.lax.scan(one, (scalar(), scalar(), zeros, state), (args, kwargs))
+        if weighted[0]:  # sums: finish() divides by the global count
+            grads, out = acc, LocalStep(total, count, aux, state)
+        else:  # the mean, in the accumulator's precision
+            grads, out = [s / k for s in acc], LocalStep(total / k, None, aux, state)
+        grads = [g.astype(p.dtype) for g, p in zip(grads, leaves)]
+        return out, jax.tree.unflatten(self._treedef, grads)
 
 
 def local_params(params: PyTree, axis: AxisSpec) -> PyTree:

@@ -22,7 +22,7 @@ Example (``flax.nnx``, data parallel)::
                               example_batch=first_batch)
     state = step.init()
     for batch in batches:                 # global batches, e.g. numpy arrays
-        state, loss = step(state, batch)
+        state, metrics = step(state, batch)   # metrics.loss, .grad_norm, .skipped, .nonfinite_buckets
     step.update_model(model, state)       # copy the trained parameters back into the model
 
 Every mesh :class:`~jax_drain.GradSync` supports: ``TrainConfig(axis=..., outer_axis=...,
@@ -67,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_drain import _compat
 from jax_drain.chain import ChainedSync, check_microbatches
 from jax_drain.layout import check_leaves, leaf_paths
+from jax_drain.losses import split_output
 from jax_drain.mesh import AxisSpec, ExpertSpec, as_axes, axes_size, check_mesh_axes, leaf_specs
 from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
 from jax_drain.order import grad_ready_order
@@ -101,6 +102,14 @@ class TrainConfig:
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
+        skip_nonfinite: skip the update of a step whose gradient has a non-finite element on any
+            device: parameters, optimizer state and step count stay as they were, bit for bit,
+            inside the same jitted step (so donation stays on). On by default: one NaN in one
+            device's batch would otherwise make every parameter NaN through the clip and the
+            shared update, with the previous state already donated; the check costs one
+            reduction per shard and a scalar all-reduce. ``StepMetrics.skipped`` reports it.
+        skip_grad_norm_above: also skip when the global gradient norm exceeds this (Megatron's
+            check for large gradients); ``None``: never.
 
     Example::
 
@@ -122,6 +131,8 @@ class TrainConfig:
     param_specs: PyTree | None = None
     expert: ExpertSpec = None
     expert_axis: AxisSpec = None
+    skip_nonfinite: bool = True
+    skip_grad_norm_above: float | None = None
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -150,15 +161,34 @@ class TrainConfig:
 
 class TrainState(NamedTuple):
     """Everything a step reads and writes: parameters (replicated over the data axes, sharded by
-    ``param_specs``), sharded optimizer state, step count.
+    ``param_specs``), sharded optimizer state, step count, and an nnx model's other state.
 
     ``opt_state`` is ``None`` from :meth:`TrainStep.init` only when the step was built without
     ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
+    ``model_state``: an nnx model's non-``nnx.Param`` state (batch statistics, RNG counters
+    and keys, as raw key data), replicated and updated by every step; ``None`` for a pytree.
     """
 
     params: PyTree
     opt_state: DistState | None
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: jax.Array  # int32 scalar: optimizer steps taken (skipped steps do not count)
+    model_state: PyTree = None
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports (float32 / int32 / bool scalars, identical on every device).
+
+    ``loss``: the mean loss over the global batch (the global per-count mean for a
+    :class:`~jax_drain.WeightedLoss`); ``grad_norm``: the global gradient norm (an element
+    replicated over a tensor-parallel or outer axis counted once); ``skipped``: the update was
+    skipped (``TrainConfig.skip_nonfinite`` / ``skip_grad_norm_above``); ``nonfinite_buckets``:
+    buckets whose gradient had a non-finite element.
+    """
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    skipped: jax.Array
+    nonfinite_buckets: jax.Array
 
 
 class TrainStep:
@@ -173,8 +203,8 @@ class TrainStep:
     def __init__(
         self,
         params: PyTree,
-        loss: Callable[[PyTree, PyTree, PyTree], jax.Array],
-        rest: PyTree,
+        loss: Callable[..., tuple[Any, PyTree]],
+        model_state: PyTree,
         tx: optax.GradientTransformation,
         mesh: Mesh,
         config: TrainConfig,
@@ -182,7 +212,9 @@ class TrainStep:
         model: nnx.Module | None,
     ):
         self.mesh, self.config, self.tx = mesh, config, tx
-        self._loss, self._rest = loss, rest
+        # loss(params, model_state, batch, device) -> (loss output, new model_state); `device`
+        # (this device's index along the data axes, or None outside shard_map) keys the RNGs.
+        self._loss, self._model_state = loss, model_state
         # init() reads the model's params when it is called (or the given pytree's); the step
         # itself only needs their shapes.
         self._model, self._source = model, (params if model is None else None)
@@ -229,21 +261,32 @@ class TrainStep:
         # with may_alias=False when it reshards; a jitted copy never does.)
         shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
         params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        whole = NamedSharding(self.mesh, P())
+        step = jax.device_put(jnp.zeros((), jnp.int32), whole)
+        model_state = None
+        if self._model_state is not None:
+            source = self._model if self._model is not None else None
+            model_state = _model_state(source) if source is not None else self._model_state
+            model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(model_state)
         opt_state = None if self.optimizer is None else self.optimizer.init_sharded(params)
-        return TrainState(params, opt_state, step)
+        return TrainState(params, opt_state, step, model_state)
 
-    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
-        """One optimizer step on a global ``batch``; returns ``(new_state, mean_loss)``."""
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
+        """One optimizer step on a global ``batch``; returns ``(new_state, metrics)``.
+
+        With ``TrainConfig(donate=True)`` (the default) ``state`` is consumed: keep using the
+        state this call returns.
+        """
+        _check_not_consumed(state)
         state = self._ready(state, batch)
-        return self._jitted(state, self._rest, self.shard_batch(batch))
+        return self._jitted(state, self.shard_batch(batch))
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for arrays or ``jax.ShapeDtypeStruct``s (e.g. to inspect its HLO)."""
         if self.optimizer is None:
             self._build(batch)
         self._check_state_fast(state)
-        return self._jitted.lower(state, self._rest, self._check_batch(batch))
+        return self._jitted.lower(state, self._check_batch(batch))
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """``batch`` placed on the mesh, split over the data axes (checks divisibility)."""
@@ -262,15 +305,23 @@ class TrainStep:
             self._abstract_params, self._param_specs,
         )
         whole = NamedSharding(self.mesh, P())
-        return TrainState(params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole))
+        model_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), self._model_state)
+        return TrainState(params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole),
+                          model_state)
 
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
-        """Writes ``state``'s parameters into the nnx ``model`` (in place)."""
+        """Writes ``state``'s parameters and other model state (batch statistics, RNG counters)
+        into the nnx ``model`` (in place)."""
         if self._model is None:
             raise ValueError("this step was built from a params pytree, not an nnx model")
         param_state = nnx.state(model, nnx.Param)
         nnx.replace_by_pure_dict(param_state, state.params)
         nnx.update(model, param_state)
+        if state.model_state is not None:
+            *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
+            nnx.replace_by_pure_dict(other, state.model_state[1])
+            nnx.update(model, other)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self, batch: PyTree) -> None:
@@ -280,9 +331,8 @@ class TrainStep:
         k = config.microbatches
         global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
                                     batch)
-        loss = lambda p, b: self._loss(p, self._rest, b)
-        order = grad_ready_order(loss, self._abstract_params, global_micro, mesh=mesh,
-                                 in_specs=(self._param_specs, self._batch_spec))
+        order = grad_ready_order(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
+                                 mesh=mesh, in_specs=(self._param_specs, self._batch_spec))
         options = dict(
             axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
@@ -297,12 +347,14 @@ class TrainStep:
         specs = optimizer.state_specs()
         sharded = _compat.shard_map(
             self._sharded_step, mesh=mesh,
-            in_specs=(sync.param_specs, specs, P(), sync.batch_spec), out_specs=(sync.param_specs, specs, P()),
+            in_specs=(sync.param_specs, specs, P(), sync.batch_spec),
+            out_specs=(sync.param_specs, specs, P(), P()),
         )
 
-        def step(state: TrainState, rest: PyTree, batch: PyTree) -> tuple[TrainState, jax.Array]:
-            params, opt_state, loss = sharded(state.params, state.opt_state, rest, batch)
-            return TrainState(params, opt_state, state.step + 1), loss
+        def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
+            params, opt_state, model_state, metrics = sharded(state.params, state.opt_state, state.model_state, batch)
+            count = state.step + jnp.where(metrics.skipped, 0, 1).astype(jnp.int32)
+            return TrainState(params, opt_state, count, model_state), metrics
 
         self.sync, self.optimizer = sync, optimizer
         self._jitted = jax.jit(step, donate_argnums=(0,) if config.donate else ())
@@ -314,7 +366,7 @@ class TrainStep:
             return None
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
-        mask = stacked_leaves(lambda p, b: self._loss(p, self._rest, b), self._abstract_params, local_micro)
+        mask = stacked_leaves(self._scalar_loss(in_shard_map=False), self._abstract_params, local_micro)
         if not any(jax.tree.leaves(mask)):
             if wanted is None:
                 return None
@@ -334,14 +386,27 @@ class TrainStep:
         return state
 
     # -- inside shard_map -------------------------------------------------------------------
-    def _sharded_step(self, params: PyTree, opt_state: DistState, rest: PyTree, batch: PyTree):
-        # Closes over `rest`: value_and_grad splits every argument after params into
-        # micro-batches, and the non-param model state must not be split.
-        loss_fn = lambda p, b: self._loss(p, rest, b).astype(jnp.float32)
-        loss, shards = self.sync.value_and_grad(
-            loss_fn, microbatches=self.config.microbatches, accum_dtype=self._accum_dtype)(params, batch)
-        params, opt_state = self.optimizer.update(shards, opt_state)
-        return params, opt_state, loss
+    def _scalar_loss(self, in_shard_map: bool) -> Callable[[PyTree, PyTree], jax.Array]:
+        """``loss(params, batch)`` as a scalar, for tracing the bucket order and the layer scan."""
+
+        def scalar(p: PyTree, b: PyTree) -> jax.Array:
+            device = jax.lax.axis_index(self.config.data_axes) if in_shard_map else None
+            out, _ = self._loss(p, self._model_state, b, device)
+            return split_output(out, has_aux=False, has_state=False).total
+
+        return scalar
+
+    def _sharded_step(self, params: PyTree, opt_state: DistState, model_state: PyTree, batch: PyTree):
+        config = self.config
+        device = jax.lax.axis_index(self.sync.data_axes)
+        loss_fn = lambda p, state, b: self._loss(p, state, b, device)
+        (loss, model_state), shards = self.sync.value_and_grad(
+            loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype, has_state=True,
+        )(params, model_state, batch)
+        params, opt_state, report = self.optimizer.update_and_report(
+            shards, opt_state, skip_nonfinite=config.skip_nonfinite, skip_grad_norm_above=config.skip_grad_norm_above)
+        metrics = StepMetrics(loss, report.grad_norm, report.skipped, report.nonfinite_buckets)
+        return params, opt_state, model_state, metrics
 
     # -- checks -----------------------------------------------------------------------------
     def _check_batch(self, batch: PyTree) -> PyTree:
@@ -393,8 +458,10 @@ def make_train_step(
     """Builds a jitted sharded train step; see the module docstring for examples.
 
     Args:
-        model: an ``nnx.Module`` (its ``nnx.Param``s are trained; other state, e.g. RNG counters
-            or batch statistics, is passed in unchanged every step and not updated), or a params
+        model: an ``nnx.Module`` (its ``nnx.Param``s are trained; its other state -- batch
+            statistics, RNG counters -- is carried in ``TrainState.model_state`` and updated every
+            step; RNG keys are folded with the device index, so each data-parallel device draws
+            its own dropout masks, reproducibly across a checkpoint resume), or a params
             pytree (e.g. linen's ``variables["params"]``; arrays, or ``jax.ShapeDtypeStruct``s
             to only :meth:`~TrainStep.lower` the step). Global shapes.
         loss_fn: ``loss_fn(model, batch)`` for an nnx model, ``loss_fn(params, batch)`` for a
@@ -410,20 +477,48 @@ def make_train_step(
             traced (and ``abstract_state`` is available only after that call).
 
     Returns:
-        A :class:`TrainStep`: ``state = step.init()``, then ``state, loss = step(state, batch)``.
+        A :class:`TrainStep`: ``state = step.init()``, then ``state, metrics = step(state, batch)``
+        (:class:`StepMetrics`: ``metrics.loss``, ``grad_norm``, ``skipped``, ``nonfinite_buckets``).
     """
     config = config or TrainConfig()
     if isinstance(model, nnx.Module):
-        graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, param_state, key_state, _ = nnx.split(model, nnx.Param, nnx.RngKey, ...)
         params = nnx.to_pure_dict(param_state)
+        impls = [jax.random.key_impl(k) for k in jax.tree.leaves(key_state)]
 
-        def loss(p: PyTree, rest: PyTree, batch: PyTree) -> jax.Array:
-            return loss_fn(nnx.merge(graphdef, p, rest), batch)
+        def loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
+            key_data, other = state
+            keys = [jax.random.wrap_key_data(d, impl=impl) for d, impl in zip(jax.tree.leaves(key_data), impls)]
+            if device is not None:  # a dropout mask of its own on every data-parallel device
+                keys = [jax.random.fold_in(k, device) for k in keys]
+            merged = nnx.merge(graphdef, p, jax.tree.unflatten(jax.tree.structure(key_data), keys), other)
+            out = loss_fn(merged, batch)
+            *_, new_other = nnx.split(merged, nnx.Param, nnx.RngKey, ...)
+            return out, (key_data, nnx.to_pure_dict(new_other))
 
-        return TrainStep(params, loss, rest, tx, mesh, config, example_batch, model)
+        return TrainStep(params, loss, _model_state(model), tx, mesh, config, example_batch, model)
 
-    def plain_loss(p: PyTree, rest: PyTree, batch: PyTree) -> jax.Array:
-        del rest
-        return loss_fn(p, batch)
+    def plain_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
+        del device
+        return loss_fn(p, batch), state
 
     return TrainStep(model, plain_loss, None, tx, mesh, config, example_batch, None)
+
+
+def _model_state(model: nnx.Module) -> PyTree:
+    """An nnx model's non-Param state as plain arrays in pure dicts: ``(RNG keys as raw key
+    data, everything else)``. Pure dicts, not ``nnx.State``s: the variables are created anew
+    inside each trace that merges them."""
+    _, _, key_state, other_state = nnx.split(model, nnx.Param, nnx.RngKey, ...)
+    return nnx.to_pure_dict(jax.tree.map(jax.random.key_data, key_state)), nnx.to_pure_dict(other_state)
+
+
+def _check_not_consumed(state: Any) -> None:
+    """A donated state's buffers are gone; running on them would crash the runtime."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"this TrainState was consumed by an earlier step call (its buffers were donated; "
+                f"{jax.tree_util.keystr(path)} is deleted): keep using the state that call returned, "
+                "e.g. state, metrics = step(state, batch), or build the step with TrainConfig(donate=False)"
+            )

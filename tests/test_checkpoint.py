@@ -55,8 +55,8 @@ def run(tmp_path_factory):
     jd.save_checkpoint(directory, state, extra={"data_position": 2})
     losses = []
     for i in range(2, 5):
-        state, loss = step(state, _batch(i))
-        losses.append(float(loss))
+        state, metrics = step(state, _batch(i))
+        losses.append(float(metrics.loss))
     return directory, step, saved, losses
 
 
@@ -81,8 +81,8 @@ def test_resume_gives_bit_identical_losses(run):
     state, extra = jd.restore_checkpoint(directory, step.abstract_state())
     losses = []
     for i in range(extra["data_position"], 5):
-        state, loss = step(state, _batch(i))
-        losses.append(float(loss))
+        state, metrics = step(state, _batch(i))
+        losses.append(float(metrics.loss))
     assert losses == uninterrupted
     assert int(state.step) == 5
 

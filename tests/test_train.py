@@ -45,8 +45,8 @@ def _train(config, batches, **train_config):
     state = step.init()
     losses = []
     for batch in batches:
-        state, loss = step(state, batch)
-        losses.append(float(loss))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics.loss))
     return step, state, losses
 
 
@@ -112,7 +112,7 @@ def _collectives(jaxpr, inside_loop=False, found=None):
 def test_sync_runs_once_per_step_not_per_microbatch(fp32_runs):
     batches, runs = fp32_runs
     step = runs[4][0]
-    jaxpr = jax.make_jaxpr(step._jitted)(step.abstract_state(), step._rest, batches[0]).jaxpr
+    jaxpr = jax.make_jaxpr(step._jitted)(step.abstract_state(), batches[0]).jaxpr
     found = _collectives(jaxpr)
     assert found and not [name for name, in_loop in found if in_loop]  # nothing per micro-batch
     # fp32_accum: one all-to-all per bucket; one all-gather per bucket (the new params).
@@ -156,11 +156,12 @@ def test_params_pytree_path_matches_single_device_optax():
     state = step.init()
     ref, opt_state = params, tx.init(params)
     for batch in batches:
-        state, got = step(state, batch)
+        state, metrics = step(state, batch)
         want, grads = jax.value_and_grad(loss)(ref, batch)
+        np.testing.assert_allclose(float(metrics.grad_norm), float(optax.tree.norm(grads)), rtol=1e-5)
         updates, opt_state = tx.update(grads, opt_state, ref)
         ref = optax.apply_updates(ref, updates)
-        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        np.testing.assert_allclose(float(metrics.loss), float(want), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not an nnx model"):
@@ -215,12 +216,12 @@ def test_bucket_order_is_traced_from_the_first_batch_without_example_batch(fp32_
     assert lazy.sync is None
     state = lazy.init()
     assert state.opt_state is None
-    state, loss = lazy(state, batches[0])
+    state, metrics = lazy(state, batches[0])
     assert lazy.sync.fingerprint == eager.sync.fingerprint
     reverse = jd.GradSync(lazy.sync.abstract_params, data_mesh(8), bucket_size=5000)
     assert reverse.fingerprint != eager.sync.fingerprint  # the traced order differs from it here
-    eager_state, eager_loss = eager(eager.init(), batches[0])
-    assert float(loss) == float(eager_loss)
+    _, eager_metrics = eager(eager.init(), batches[0])
+    assert float(metrics.loss) == float(eager_metrics.loss)
 
 
 # -- scanned layer stacks: TrainConfig(scan_layers=...) builds a ScanGradSync -------------------
@@ -258,8 +259,8 @@ def test_scanned_step_matches_unrolled_step_and_checkpoints(tmp_path):
                                   example_batch=batches[0])
         state, losses = step.init(), []
         for batch in batches:
-            state, loss = step(state, batch)
-            losses.append(float(loss))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics.loss))
         return step, state, losses
 
     _, flat_state, flat_losses = train(unrolled_config, params, False)

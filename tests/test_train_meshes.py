@@ -171,8 +171,8 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
     state = step.init(params)
     losses = []
     for batch in batches[:STEPS]:
-        state, loss = step(state, batch)
-        losses.append(float(loss))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics.loss))
     want = _reference(case, params, batches[:STEPS])
     got = jax.device_get(state.params)
     for path, w, g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(want), jax.tree.leaves(got)):
@@ -183,14 +183,14 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
     jd.save_checkpoint(tmp_path / "ckpt", state)
     continued = []
     for batch in batches[STEPS:]:
-        state, loss = step(state, batch)
-        continued.append(float(loss))
+        state, metrics = step(state, batch)
+        continued.append(float(metrics.loss))
     fresh = _step(case, params, batches[0], cpu_devices)
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
     resumed = []
     for batch in batches[STEPS:]:
-        restored, loss = fresh(restored, batch)
-        resumed.append(float(loss))
+        restored, metrics = fresh(restored, batch)
+        resumed.append(float(metrics.loss))
     assert resumed == continued
 
 

@@ -1,0 +1,86 @@
+"""What a loss function may return to a sync: a mean, or a weighted sum (per-token losses).
+
+A data-parallel mean of per-device means is the global mean only when every device (and every
+micro-batch) holds the same number of examples that count. With padding or masked tokens it is
+not: return ``WeightedLoss(total, count)`` (the sum of the per-token losses and how many tokens
+count) and the gradient becomes that of the global sum divided by the global count, over all
+devices and micro-batches, the reported loss the global per-token mean.
+
+Example::
+
+    def loss_fn(params, batch):
+        nll = per_token_nll(params, batch)             # [batch, seq]
+        mask = batch["mask"]                           # 1 where the token counts
+        return jd.WeightedLoss(jnp.sum(nll * mask), jnp.sum(mask))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class WeightedLoss(NamedTuple):
+    """A loss as ``total`` (a sum over what counts) and ``count`` (how much counts); a pytree."""
+
+    total: jax.Array
+    count: jax.Array
+
+
+class LocalStep(NamedTuple):
+    """One device's loss on one micro-batch, split into what the syncs need."""
+
+    total: jax.Array  # float32: the mean loss, or a WeightedLoss's total
+    count: jax.Array | None  # float32 count of a WeightedLoss, else None
+    aux: Any
+    state: Any  # the loss function's new state (has_state), else None
+
+
+def local_value_and_grad(
+    loss_fn: Callable[..., Any], has_aux: bool, has_state: bool
+) -> Callable[..., tuple[LocalStep, Any]]:
+    """``fn(params, state, args, kwargs) -> (LocalStep, grads)``: ``jax.value_and_grad`` of
+    ``loss_fn`` w.r.t. ``params``, whatever its output form.
+
+    ``loss_fn(params, *args)`` (or ``loss_fn(params, state, *args)`` with ``has_state``, then
+    returning ``(output, new_state)``) returns a scalar or a :class:`WeightedLoss`, or with
+    ``has_aux`` ``(that, aux)``.
+    """
+
+    def scalar(params: Any, state: Any, args: tuple, kwargs: dict):
+        out = loss_fn(params, state, *args, **kwargs) if has_state else loss_fn(params, *args, **kwargs)
+        step = split_output(out, has_aux, has_state)
+        return step.total, (step.count, step.aux, step.state)
+
+    grad = jax.value_and_grad(scalar, has_aux=True)
+
+    def fn(params: Any, state: Any, args: tuple, kwargs: dict) -> tuple[LocalStep, Any]:
+        (total, (count, aux, new_state)), grads = grad(params, state, args, kwargs)
+        return LocalStep(total, count, aux, new_state), grads
+
+    return fn
+
+
+def split_output(out: Any, has_aux: bool, has_state: bool) -> LocalStep:
+    """A loss function's output as a :class:`LocalStep` (see :func:`local_value_and_grad`)."""
+    new_state = None
+    if has_state:
+        out, new_state = out
+    value, aux = out if has_aux else (out, None)
+    if isinstance(value, WeightedLoss):
+        total, count = value.total, jnp.asarray(value.count, jnp.float32)
+    else:
+        total, count = value, None
+    if jnp.ndim(total) != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss (or jax_drain.WeightedLoss of scalars), got shape {jnp.shape(total)}")
+    return LocalStep(jnp.asarray(total, jnp.float32), count, aux, new_state)
+
+
+def pack_value(loss: jax.Array, aux: Any, state: Any, has_aux: bool, has_state: bool) -> Any:
+    """The ``value`` a sync's ``value_and_grad`` returns: ``loss``, ``(loss, aux)``, and with
+    ``has_state`` ``(that, new_state)``."""
+    value = (loss, aux) if has_aux else loss
+    return (value, state) if has_state else value

@@ -1,0 +1,82 @@
+"""Per-token losses: ``jd.WeightedLoss(total, count)`` gives the gradient of the global sum over
+the global count, across devices and micro-batches with uneven padding, against one device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import data_mesh
+
+import jax_drain as jd
+
+V, D, T, L, B = 11, 8, 6, 3, 32
+
+
+def _params(rng):
+    n = lambda *s: jnp.asarray(rng.normal(size=s) * 0.4, jnp.float32)
+    return {"embed": n(V, D), "blocks": {"w": n(L, D, D)}, "head": n(D, V)}
+
+
+def _nll(p, tokens):
+    def layer(h, block):
+        return h + jnp.tanh(h @ block["w"]), None
+
+    h, _ = jax.lax.scan(layer, p["embed"][tokens[:, :-1]], p["blocks"])
+    logp = jax.nn.log_softmax(h @ p["head"])
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def weighted_loss(p, batch):
+    mask = batch["mask"][:, 1:]
+    return jd.WeightedLoss(jnp.sum(_nll(p, batch["tokens"]) * mask), jnp.sum(mask))
+
+
+def reference_loss(p, batch):
+    mask = batch["mask"][:, 1:]
+    return jnp.sum(_nll(p, batch["tokens"]) * mask) / jnp.sum(mask)
+
+
+def _batches(n):
+    rng = np.random.default_rng(5)
+    out = []
+    for _ in range(n):
+        lengths = rng.integers(2, T + 1, size=B)
+        lengths[:4] = T        # device 0: no padding; device 1 mostly padding
+        lengths[4:8] = 2
+        mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+        out.append({"tokens": rng.integers(0, V, size=(B, T)).astype(np.int32), "mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["grad_sync", "scan_grad_sync"])
+def test_weighted_loss_is_the_global_per_token_mean(scan_layers):
+    rng = np.random.default_rng(0)
+    params, batches = _params(rng), _batches(3)
+    tx = lambda: optax.sgd(0.5)
+    step = jd.make_train_step(params, weighted_loss, tx(), data_mesh(8),
+                              jd.TrainConfig(bucket_size=40, microbatches=2, scan_layers=scan_layers),
+                              example_batch=batches[0])
+    assert step.scan_layers == scan_layers
+    state = step.init()
+    ref, opt_state = params, tx().init(params)
+    for batch in batches:
+        state, metrics = step(state, batch)
+        want, grads = jax.value_and_grad(reference_loss)(ref, batch)
+        updates, opt_state = tx().update(grads, opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        np.testing.assert_allclose(float(metrics.loss), float(want), rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_the_mean_of_device_means_would_differ():
+    """The uneven padding is real: a mean of per-device, per-micro-batch means is not the
+    per-token mean, so the test above tells the two apart."""
+    batch = _batches(1)[0]
+    params = _params(np.random.default_rng(0))
+    parts = [jax.tree.map(lambda x: x[i:i + 2], batch) for i in range(0, B, 2)]
+    mean_of_means = np.mean([float(reference_loss(params, part)) for part in parts])
+    assert abs(mean_of_means - float(reference_loss(params, batch))) > 1e-3
