@@ -6,7 +6,7 @@ time" (Megatron-LM PR #4940). See README.md for a tour and BUILD.md for the arch
 """
 
 from jax_drain.chain import BucketChain
-from jax_drain.checkpoint import CheckpointMismatchError, restore_checkpoint, save_checkpoint
+from jax_drain.checkpoint import CheckpointCorruptError, CheckpointMismatchError, restore_checkpoint, save_checkpoint
 from jax_drain.collectives import REDUCE_MODES, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import Bucket, BucketLayout, LeafSlot
@@ -25,6 +25,7 @@ __all__ = [
     "Bucket",
     "BucketChain",
     "BucketLayout",
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
     "DistState",
     "DistributedOptimizer",

@@ -89,7 +89,7 @@ from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, pack_value, split_output
-from jax_drain.mesh import as_axes, place_leaves
+from jax_drain.mesh import as_axes, check_mesh, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
 
@@ -163,6 +163,7 @@ class ScanGradSync(ChainedSync):
         max_in_flight: int | None = None,
         outer_axis: str | Sequence[str] | None = None,
     ):
+        check_mesh(mesh)
         if not isinstance(axis, str):
             raise TypeError(f"ScanGradSync reduces over one mesh axis (axis='data'), got {axis!r}")
         if axis not in mesh.axis_names:

@@ -54,7 +54,7 @@ from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
-from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, place_leaves
+from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, check_mesh, place_leaves
 
 PyTree = Any
 
@@ -139,6 +139,7 @@ class GradSync(ChainedSync):
         expert: ExpertSpec = None,
         expert_axis: AxisSpec = None,
     ):
+        check_mesh(mesh)
         axes = as_axes(axis, "axis")
         if len(axes) == 1 and axes[0] not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {axes[0]!r}; its axes are {tuple(mesh.axis_names)}")

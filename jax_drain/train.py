@@ -66,9 +66,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain.chain import ChainedSync, check_microbatches
-from jax_drain.layout import check_leaves, leaf_paths
+from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import split_output
-from jax_drain.mesh import AxisSpec, ExpertSpec, as_axes, axes_size, check_mesh_axes, leaf_specs
+from jax_drain.mesh import (
+    AxisSpec, ExpertSpec, as_axes, axes_size, check_array_leaves, check_mesh, check_mesh_axes, leaf_specs,
+)
 from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, stacked_leaves
@@ -138,6 +140,7 @@ class TrainConfig:
         if self.scan_layers not in (True, False, None):
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         check_microbatches(self.microbatches)
+        object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
         if self.accum_dtype is not None:
             dtype = jnp.dtype(self.accum_dtype)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -211,6 +214,8 @@ class TrainStep:
         example_batch: PyTree | None,
         model: nnx.Module | None,
     ):
+        check_mesh(mesh)
+        check_array_leaves(params)
         self.mesh, self.config, self.tx = mesh, config, tx
         # loss(params, model_state, batch, device) -> (loss output, new model_state); `device`
         # (this device's index along the data axes, or None outside shard_map) keys the RNGs.
