@@ -1,6 +1,7 @@
 """The planner on compile-only GPU devices, with the tiny presets (fast)."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -161,14 +162,65 @@ def test_strategy_names(name, expected):
     assert (s.reduce, s.max_in_flight) == expected and s.name == name
 
 
+def _count(params, size, order=None):
+    from jax_drain.layout import BucketLayout
+    return BucketLayout.build(params, size, 128, order).num_buckets
+
+
+def _achievable_counts(params):
+    """Every bucket count some size gives: the count only changes where the size crosses the sum
+    of a run of consecutive leaves (one dtype, in the default order)."""
+    leaves = jax.tree.leaves(params)[::-1]
+    sizes = {1}
+    for dtype in {leaf.dtype for leaf in leaves}:
+        run = [math.prod(leaf.shape) for leaf in leaves if leaf.dtype == dtype]
+        for i in range(len(run)):
+            for j in range(i + 1, len(run) + 1):
+                sizes |= {sum(run[i:j]), sum(run[i:j]) + 1}
+    return {_count(params, s) for s in sizes}
+
+
 def test_bucket_size_for_gives_the_requested_count():
     params = {f"w{i}": jax.ShapeDtypeStruct((100 + i, 64), jnp.bfloat16) for i in range(12)}
-    from jax_drain.layout import BucketLayout
     for want in (1, 3, 5, 12):
         size = plan.bucket_size_for(params, want)
-        assert BucketLayout.build(params, size, 128).num_buckets >= want
-        if want > 1:  # the largest such size: one more element merges two buckets
-            assert BucketLayout.build(params, size + 1, 128).num_buckets < want
+        got = _count(params, size)
+        assert got == min(_achievable_counts(params), key=lambda c: (abs(c - want), -c)), (want, got)
+        assert _count(params, size + 1) < got or size == sum(math.prod(p.shape) for p in params.values())
+
+
+@pytest.mark.parametrize("preset", ["gpt-blocks", "gpt-tied"])
+@pytest.mark.parametrize("want", [4, 12, 24, 66])
+def test_bucket_size_for_lands_within_ten_percent_on_the_presets(preset, want):
+    from jax_drain import models
+
+    params = models.abstract_params(models.preset(preset))
+    got = _count(params, plan.bucket_size_for(params, want))
+    assert abs(got - want) <= 0.1 * want, (preset, want, got)
+
+
+def test_bucket_size_for_with_one_large_leaf_gives_the_best_achievable():
+    # One leaf of 1M elements and six of 10k: at most 7 buckets (one per leaf). For 12, 24 and
+    # 66 buckets a single leaf is larger than total / n and only 7 leaves exist, so 10% is
+    # impossible: the best achievable count is 7. 4 buckets is reachable (big alone + 3 pairs).
+    params = {"big": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+              **{f"small{i}": jax.ShapeDtypeStruct((100, 100), jnp.bfloat16) for i in range(6)}}
+    total = sum(math.prod(p.shape) for p in params.values())
+    achievable = _achievable_counts(params)
+    assert max(achievable) == 7
+    for want in (4, 12, 24, 66):
+        got = _count(params, plan.bucket_size_for(params, want))
+        best = min(achievable, key=lambda c: (abs(c - want), -c))
+        assert got == best, (want, got, best)
+        if abs(best - want) > 0.1 * want:  # impossible: the big leaf exceeds total / n, too few leaves
+            assert want > 7 and 1024 * 1024 > total / want
+        else:
+            assert abs(got - want) <= 0.1 * want
+
+
+def test_bucket_size_for_refuses_a_non_positive_count():
+    with pytest.raises(ValueError, match="positive"):
+        plan.bucket_size_for({"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}, 0)
 
 
 @pytest.fixture(scope="module")

@@ -411,19 +411,42 @@ def _step_devices(compiled: Any) -> int:
 # -- built-in presets: the benchmark's steps --------------------------------------------------
 
 def bucket_size_for(params: Any, num_buckets: int, axis_size: int = 8, order: Sequence[int] | None = None) -> int:
-    """The largest bucket size (elements) that gives at least ``num_buckets`` real buckets.
+    """The bucket size (elements) whose layout has the bucket count nearest ``num_buckets``.
 
     Buckets close once they reach the size, so ``total / num_buckets`` can give fewer, larger
-    buckets than asked for; this searches for the size instead (fewer if leaves run out).
+    buckets than asked for. The count falls as the size grows, in steps: this searches for the
+    two sizes whose counts bracket ``num_buckets``, keeps the nearer count (the larger one on a
+    tie) and returns the largest size that gives it. The count lands within 10% of
+    ``num_buckets`` whenever any size gets there. It cannot always: there is at most one bucket
+    per leaf (per dtype), and a leaf larger than ``total / num_buckets`` fills a bucket by
+    itself, so the remaining leaves must make up the other buckets; with few of them, or
+    leaves of equal size (whose counts jump from ``L`` to ``L / 2``), the nearest achievable
+    count is returned.
+
+    Example::
+
+        >>> params = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16) for i in range(12)}
+        >>> BucketLayout.build(params, bucket_size_for(params, 4), 128).num_buckets
+        4
     """
+    if isinstance(num_buckets, bool) or int(num_buckets) < 1:
+        raise ValueError(f"num_buckets must be a positive integer, got {num_buckets!r}")
     count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order).num_buckets
-    total = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    want = min(num_buckets, count(1))  # count(1): one bucket per leaf, the most possible
-    low, high = 1, max(1, total)
-    while low < high:  # the largest size with count >= want
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if count(mid) >= want else (low, mid - 1)
-    return low
+    total = max(1, sum(math.prod(p.shape) for p in jax.tree.leaves(params)))
+
+    def largest(at_least: int) -> int:  # the largest size whose count is >= at_least
+        low, high = 1, total
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if count(mid) >= at_least else (low, mid - 1)
+        return low
+
+    size = largest(min(num_buckets, count(1)))  # count(1): one bucket per leaf, the most possible
+    if size < total:
+        fewer = count(size + 1)  # the next count down: below num_buckets
+        if abs(fewer - num_buckets) < abs(count(size) - num_buckets):
+            size = largest(fewer)
+    return size
 
 
 def build_step(
