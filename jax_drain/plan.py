@@ -5,9 +5,14 @@ Re-exports the public names of :mod:`jax_drain.planner` (``plan``, ``plan_preset
 
     python -m jax_drain.plan --preset gpt-blocks --strategy fp32_accum+drain --num-buckets 24 \\
         --json plan.json --plot plan.png
+    python -m jax_drain.plan --loss my_model.py:loss --params my_model.py:params --batch my_model.py:batch
+
+Python: ``plan_model(loss_fn, params, batch)`` compares the strategies on your model
+(:mod:`jax_drain.planner.compare`); also reachable as ``jd.plan`` after ``import jax_drain as jd``.
 """
 
 from jax_drain.planner.cli import main
+from jax_drain.planner.compare import DEFAULT_STRATEGIES, Comparison, Row, plan_model
 from jax_drain.planner.plan import (
     BASELINES,
     CHAIN_SCOPES,
@@ -15,11 +20,14 @@ from jax_drain.planner.plan import (
     Plan,
     PlanError,
     Strategy,
+    StrategyUnavailable,
     bucket_size_for,
     bucket_spans,
     build_mesh_step,
     build_step,
+    build_user_step,
     collective_buckets,
+    collective_counts,
     max_overlap,
     mesh_block_loss,
     mesh_block_params,
@@ -27,6 +35,8 @@ from jax_drain.planner.plan import (
     plan,
     plan_preset,
     preset_config,
+    split_supported,
+    summarize_collectives,
 )
 from jax_drain.planner.targets import (
     KNOWN_TARGETS,
@@ -43,15 +53,21 @@ __all__ = [
     "CHAIN_SCOPES",
     "KNOWN_TARGETS",
     "BucketRef",
+    "Comparison",
+    "DEFAULT_STRATEGIES",
     "GpuCompileUnavailable",
     "Plan",
     "PlanError",
+    "Row",
     "Strategy",
+    "StrategyUnavailable",
     "bucket_size_for",
     "bucket_spans",
     "build_mesh_step",
     "build_step",
+    "build_user_step",
     "collective_buckets",
+    "collective_counts",
     "gpu_compile_available",
     "gpu_devices",
     "gpu_mesh",
@@ -62,8 +78,11 @@ __all__ = [
     "mesh_block_specs",
     "parse_topology",
     "plan",
+    "plan_model",
     "plan_preset",
     "preset_config",
+    "split_supported",
+    "summarize_collectives",
     "target_config",
 ]
 

@@ -1,5 +1,7 @@
 """The planner on compile-only GPU devices, with the tiny presets (fast)."""
 
+import contextlib
+import io
 import json
 import math
 import pathlib
@@ -10,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_drain.planner import cli, plan, targets
+from jax_drain.planner import cli, compare, plan, targets
 from jax_drain.planner.targets import GpuCompileUnavailable, gpu_mesh
 
 TINY = plan.preset_config("tiny", layers=2, d_model=256)
@@ -154,12 +156,19 @@ def test_the_runtime_imports_neither_the_planner_nor_the_test_harness():
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("gspmd", (None, None)), ("no_comm", (None, None)), ("bf16", ("bf16", None)),
-    ("fp32_accum+drain", ("fp32_accum", 1)), ("fp32_accum_streamed+drain4", ("fp32_accum_streamed", 4)),
+    ("gspmd", (None, None, False)), ("no_comm", (None, None, False)), ("bf16", ("bf16", None, False)),
+    ("fp32_accum+drain", ("fp32_accum", 1, False)), ("fp32_accum_streamed+drain4", ("fp32_accum_streamed", 4, False)),
+    ("fp32_accum+drain+split", ("fp32_accum", 1, True)), ("bf16+split", ("bf16", None, True)),
 ])
 def test_strategy_names(name, expected):
     s = plan.Strategy.parse(name)
-    assert (s.reduce, s.max_in_flight) == expected and s.name == name
+    assert (s.reduce, s.max_in_flight, s.split) == expected and s.name == name
+
+
+@pytest.mark.parametrize("name", ["gspmd+split", "fp32_accum+split+drain", "fp32_accum+drain+drain", "fp32+"])
+def test_bad_strategy_names(name):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        plan.Strategy.parse(name)
 
 
 def _count(params, size, order=None):
@@ -271,3 +280,239 @@ def test_scanned_preset_syncs_inside_the_backward_scan():
     assert all(c.computation != final_norm.computation for c in chains["layers"])
     assert in_scan.chains_in_flight.get("layers") == 1
     assert in_scan.temp_bytes < floor.temp_bytes  # below the stacked gradients' floor
+
+
+# -- your own model: --loss/--params/--batch, --step, jd.plan --------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "plan_my_model.py")
+TINY_EXAMPLE = ["--layers", "1", "--d-model", "128", "--seq", "32", "--micro-batch", "2", "--num-buckets", "4"]
+
+
+def _main(argv):
+    """cli.main's exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory):
+    """The example user module, shrunk by the size flags, all default strategies plus +split."""
+    path = tmp_path_factory.mktemp("plan") / "rows.json"
+    code, out, err = _main(["--loss", f"{EXAMPLE}:loss", "--params", f"{EXAMPLE}:params", "--batch", f"{EXAMPLE}:batch",
+                            *TINY_EXAMPLE, "--strategy", "gspmd,no_comm", "--strategy",
+                            "fp32_accum,fp32_accum+drain,fp32_accum_streamed+drain,fp32_accum+drain+split",
+                            "--json", str(path)])
+    assert code == 0, err
+    return out, {row["strategy"]: row for row in json.loads(path.read_text())}
+
+
+@pytest.mark.gpu_compile
+def test_user_model_prints_one_table_and_a_verdict(user_model):
+    out, rows = user_model
+    lines = out.splitlines()
+    assert lines[0].startswith("plan_my_model: ") and "on 8x h100 (1x1x8)" in lines[0]
+    (header,) = [i for i, line in enumerate(lines) if line.split()[:2] == ["strategy", "temp"]]
+    assert lines[header].split() == ["strategy", "temp", "arguments", "peak", "live", "buckets", "overlap",
+                                     "collectives"]
+    body = lines[header + 1:header + 1 + len(rows)]
+    assert [line.split()[0] for line in body] == list(compare.DEFAULT_STRATEGIES) + ["fp32_accum+drain+split"]
+    assert "1x all-reduce f32" in body[1] and "all-to-all bf16" in body[3]
+    verdict = [line for line in lines if line.startswith("verdict: ")]
+    assert len(verdict) == 1 and ("activations set" in verdict[0] or "gradient sync sets the peak" in verdict[0])
+    assert "MiB" in verdict[0] and "no_comm" in verdict[0]
+    assert any(line.startswith(("Use ", "For fp32")) and "--bucket-size" in line for line in lines)
+
+
+@pytest.mark.gpu_compile
+def test_user_model_json_rows(user_model):
+    _, rows = user_model
+    assert list(rows) == list(compare.DEFAULT_STRATEGIES) + ["fp32_accum+drain+split"]
+    for name in compare.DEFAULT_STRATEGIES:
+        row = rows[name]
+        assert row["available"] and row["temp_bytes"] > 0 and row["argument_bytes"] > 0
+        for entry in row["collectives"]:
+            assert set(entry) == {"kind", "dtype", "count", "bytes"} and entry["count"] >= 1
+    count = lambda name, kind=None: sum(c["count"] for c in rows[name]["collectives"] if kind in (None, c["kind"]))
+    assert rows["gspmd"]["num_buckets"] is None and count("gspmd") > 0  # XLA's own collectives, counted
+    assert rows["no_comm"]["collectives"] == [{"kind": "all-reduce", "dtype": "f32", "count": 1, "bytes": 4}]
+    drained = rows["fp32_accum+drain"]
+    assert drained["num_buckets"] >= 3 and drained["bucket_size"] > 0
+    assert count("fp32_accum+drain", "all-to-all") == drained["num_buckets"] == len(drained["sync_collectives"])
+    assert drained["buckets_in_flight"] == 1
+    assert count("fp32_accum_streamed+drain", "collective-permute") == 7 * drained["num_buckets"]
+    split = rows["fp32_accum+drain+split"]
+    if plan.split_supported():
+        assert split["available"] and split["temp_bytes"] > 0
+    else:
+        assert not split["available"] and "not available in this version" in split["unavailable"]
+        assert split["temp_bytes"] is None and split["collectives"] == []
+
+
+def _user_module(tmp_path, body: str) -> str:
+    path = tmp_path / f"user_{abs(hash(body)) % 10**8}.py"
+    path.write_text("import jax, jax.numpy as jnp\n" + body)
+    return str(path)
+
+
+BAD_SPECS = {
+    "no colon": ("nocolon", "takes MODULE:NAME"),
+    "empty name": ("{mod}:", "takes MODULE:NAME"),
+    "missing module": ("no_such_module_for_jax_drain:loss", "no module named 'no_such_module_for_jax_drain'"),
+    "missing file": ("{tmp}/absent.py:loss", "no such file"),
+    "missing attribute": ("{mod}:absent", "has no attribute 'absent'"),
+    "not callable": ("{mod}:NUMBER", "is not callable"),
+    "import fails": ("{broken}:loss", "importing .* failed: ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("flag", ["--loss", "--params"])
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_bad_module_name_is_one_line_and_exit_2(tmp_path, flag, case):
+    mod = _user_module(tmp_path, "NUMBER = 3\ndef loss(p, b): return 0.0\n"
+                       "def params(): return {'w': jax.ShapeDtypeStruct((4, 4), jnp.float32)}\n"
+                       "def batch(): return {'x': jax.ShapeDtypeStruct((8, 4), jnp.float32)}\n")
+    broken = _user_module(tmp_path, "1 / 0\n")
+    spec, message = BAD_SPECS[case]
+    spec = spec.format(mod=mod, tmp=tmp_path, broken=broken)
+    argv = {"--loss": f"{mod}:loss", "--params": f"{mod}:params", "--batch": f"{mod}:batch"}
+    argv[flag] = spec
+    code, out, err = _main([a for kv in argv.items() for a in kv])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: {flag}") and "Traceback" not in err, err
+    import re
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def params(): return None", r"params\(\) returned None"),
+    ("def params(): return {'w': 'not an array'}", r"\['w'\] is a str, not an array"),
+    ("def params(): return {}", "has no leaves"),
+    ("def params(): raise KeyError('oops')", "raised KeyError: 'oops'"),
+])
+def test_params_that_are_not_arrays_are_one_line_and_exit_2(tmp_path, body, message):
+    mod = _user_module(tmp_path, body + "\ndef loss(p, b): return 0.0\ndef batch(): return jnp.zeros((8, 2))\n")
+    code, out, err = _main(["--loss", f"{mod}:loss", "--params", f"{mod}:params", "--batch", f"{mod}:batch"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: --params"), err
+    import re
+    assert re.search(message, err), err
+
+
+def test_loss_needs_params_and_batch_and_size_flags_must_reach_something(tmp_path):
+    code, _, err = _main(["--loss", f"{EXAMPLE}:loss"])
+    assert code == 2 and "--params, --batch missing" in err and err.count("\n") == 1
+    code, _, err = _main(["--loss", f"{EXAMPLE}:loss", "--params", f"{EXAMPLE}:params", "--batch",
+                          f"{EXAMPLE}:batch", "--heads", "4"])
+    assert code == 2 and "--heads given" in err and "`heads`" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_num_buckets_must_be_positive(value, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--num-buckets", value])
+    assert exit.value.code == 2
+    assert f"argument --num-buckets: must be a positive integer, got '{value}'" in capsys.readouterr().err
+
+
+STEP_MODULE = '''
+from jax_drain import plan
+
+SEEN = []
+
+def loss(p, b):
+    return jnp.mean(((jnp.tanh(b @ p["w1"]) @ p["w2"]).astype(jnp.float32)) ** 2)
+
+def make(mesh, strategy, bucket_size=None):
+    SEEN.append((strategy, bucket_size))
+    params = {"w1": jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), "w2": jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)}
+    batch = jax.ShapeDtypeStruct((8 * 16, 128), jnp.bfloat16)
+    return plan.build_user_step(strategy, loss, params, batch, mesh, bucket_size=bucket_size)
+
+def nothing(mesh):
+    return None
+
+def no_strategy(mesh):
+    return make(mesh, plan.Strategy.parse("gspmd"))[:2]
+'''
+
+
+@pytest.mark.gpu_compile
+def test_step_receives_each_strategy(tmp_path):
+    mod = _user_module(tmp_path, STEP_MODULE)
+    out_json = tmp_path / "step.json"
+    code, out, err = _main(["--step", f"{mod}:make", "--strategy", "no_comm,fp32_accum+drain", "--strategy",
+                            "fp32_accum+drain+split", "--bucket-size", "32768", "--json", str(out_json)])
+    assert code == 0, err
+    seen = cli.load_callable(f"{mod}:make", "--step").__globals__["SEEN"]
+    assert [(s.name, s.reduce, s.max_in_flight, size) for s, size in seen] == [
+        ("no_comm", None, None, 32768), ("fp32_accum+drain", "fp32_accum", 1, 32768),
+        ("fp32_accum+drain+split", "fp32_accum", 1, 32768)]
+    rows = {r["strategy"]: r for r in json.loads(out_json.read_text())}
+    assert rows["fp32_accum+drain"]["num_buckets"] == 2
+    assert {(c["kind"], c["dtype"]) for c in rows["fp32_accum+drain"]["collectives"]} == {
+        ("all-reduce", "f32"), ("all-to-all", "bf16")}
+    assert rows["fp32_accum+drain+split"]["available"] is plan.split_supported()
+    assert "verdict: " in out and "fp32_accum+drain" in out
+
+
+@pytest.mark.gpu_compile
+def test_step_without_strategy_counts_every_collective_and_none_is_an_error(tmp_path):
+    mod = _user_module(tmp_path, STEP_MODULE)
+    code, out, err = _main(["--step", f"{mod}:no_strategy"])
+    assert code == 0, err
+    (row,) = [line for line in out.splitlines() if line.strip().startswith("step ")]
+    assert "reduce-scatter" in row or "all-reduce" in row  # XLA's own, from a plain jax.jit step
+    code, out, err = _main(["--step", f"{mod}:nothing"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "returned None" in err
+
+
+def test_step_without_a_strategy_parameter_refuses_strategy(tmp_path):
+    mod = _user_module(tmp_path, STEP_MODULE)
+    code, out, err = _main(["--step", f"{mod}:nothing", "--strategy", "fp32_accum+drain"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "no `strategy` parameter" in err
+
+
+def _plan(name, temp, pairs=(0, 0), num_buckets=None, bucket_size=None):
+    from jax_drain.planner.schedule import Collective
+
+    collectives = tuple(Collective(f"c{i}", "all-to-all", "bf16", 1, i, i + 2, "main", "", i < pairs[0], False)
+                        for i in range(pairs[1]))
+    return plan.Plan("h100", "1x1x8", 8, temp * 2**20, 2**20, 2**20, 1.0, collectives, 1, 1, (temp * 2**20,),
+                     num_buckets=num_buckets, strategy=name, bucket_size=bucket_size, all_collectives=collectives)
+
+
+def test_verdict_activations_and_sync():
+    rows = lambda temps: tuple(compare.Row(n, _plan(n, t, (4, 4), *((4, 1000) if "+" in n or n == "fp32_accum" else ())))
+                               for n, t in temps.items())
+    act = compare.Comparison(rows({"gspmd": 101, "no_comm": 100, "fp32_accum": 104, "fp32_accum+drain": 102}),
+                          "h100", "1x1x8", 8).verdict()
+    assert act.startswith("verdict: activations set the peak") and "100.0 MiB" in act
+    assert "use fp32_accum+drain with 4 buckets (--bucket-size 1000)" in act
+    sync = compare.Comparison(rows({"gspmd": 300, "no_comm": 100, "fp32_accum": 400, "fp32_accum+drain": 110}),
+                           "h100", "1x1x8", 8).verdict()
+    assert sync.startswith("verdict: the gradient sync sets the peak") and "gspmd (plain jax.jit) 300.0 MiB" in sync
+    assert "fp32_accum (undrained) 400.0 MiB" in sync and "300.0 MiB (300%)" in sync
+    assert "Use fp32_accum+drain with 4 buckets (--bucket-size 1000): 110.0 MiB temp, 190.0 MiB less than gspmd" in sync
+    alone = compare.Comparison(rows({"gspmd": 300}), "h100", "1x1x8", 8).verdict()
+    assert "add --strategy no_comm" in alone
+
+
+def test_comparison_table_json_and_plot_without_compiling(tmp_path):
+    rows = (compare.Row("gspmd", _plan("gspmd", 30, (1, 2))), compare.Row("no_comm", _plan("no_comm", 10)),
+            compare.Row("fp32_accum+drain", _plan("fp32_accum+drain", 12, (3, 3), 3, 500)),
+            compare.Row("fp32_accum+drain+split", unavailable="not available in this version: no split_leaves"))
+    report = compare.Comparison(rows, "h100", "1x1x8", 8, "mine: 1.0M params")
+    table = report.table()
+    assert table.splitlines()[0] == "mine: 1.0M params on 8x h100 (1x1x8)"
+    assert "2x all-to-all bf16" in table and "3/3" in table and "1/2" in table
+    assert "fp32_accum+drain+split  not available in this version" in table
+    assert report.report().endswith(report.verdict()) and report.recommended() == "fp32_accum+drain"
+    json_rows = report.to_json()
+    assert [r["strategy"] for r in json_rows] == [r.strategy for r in rows]
+    assert json_rows[0]["collectives"] == [{"kind": "all-to-all", "dtype": "bf16", "count": 2, "bytes": 2}]
+    assert json_rows[3]["available"] is False and json_rows[3]["temp_bytes"] is None
+    json.dumps(json_rows)
+    report.plot(str(tmp_path / "cmp.png"))
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,56 +1,109 @@
 """The planner's command line: ``python -m jax_drain.plan`` (``jax_drain/plan.py`` runs :func:`run`).
 
-Exit status: 0 planned; 2 bad input or the step did not plan; 3 no usable CUDA PJRT plugin (the
-one-line :class:`~jax_drain.planner.targets.GpuCompileUnavailable` message on stderr).
+Three sources of a step: a built-in ``--preset``; your model, ``--loss/--params/--batch``
+(compared over several strategies, :func:`jax_drain.planner.compare.plan_model`); or your own
+step, ``--step MODULE:FUNCTION``. ``MODULE`` is an importable module or a path to a ``.py`` file.
+
+Exit status: 0 planned; 2 bad input or the step did not plan (one line on stderr); 3 no usable
+CUDA PJRT plugin (the one-line :class:`~jax_drain.planner.targets.GpuCompileUnavailable`
+message on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import json
+import pathlib
 import re
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import jax
 
 from jax_drain import models
 from jax_drain.collectives import REDUCE_MODES
-from jax_drain.planner.plan import Plan, plan, plan_preset, preset_config
+from jax_drain.planner.compare import (
+    DEFAULT_STRATEGIES, Comparison, Row, abstract_tree, describe_model, largest_leaf, plan_model,
+)
+from jax_drain.planner.plan import (
+    SCOPE_PREFIX, Plan, Strategy, StrategyUnavailable, _num_buckets, plan, plan_preset, preset_config,
+)
 from jax_drain.planner.targets import GpuCompileUnavailable, gpu_mesh, parse_topology
+
+#: Size flags that reach a user's PARAMS/BATCH/FUNCTION as keywords of the same name.
+SIZE_KEYWORDS = ("layers", "d_model", "heads", "seq", "micro_batch")
+_DEFAULT_NUM_BUCKETS = 24
+
+_STEP_HELP = (
+    "your own step: FUNCTION(mesh, **keywords) returns (jitted_step, abstract_args) or (jitted_step, "
+    "abstract_args, sync), its arrays on `mesh` (compile-only GPUs, axis 'data'). It is called once per "
+    "strategy with strategy=<jax_drain.plan.Strategy> (.name, .reduce: None for gspmd/no_comm, "
+    ".max_in_flight: None undrained, .split) if it has a `strategy` parameter (then the default "
+    "strategies are those of --loss), else once; and with bucket_size=, num_buckets=, layers=, d_model=, "
+    "heads=, seq=, micro_batch= if it has parameters of those names and the flags are given"
+)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_drain.plan",
         description="Compile a training step for a virtual GPU host (no GPU needed) and report "
-        "XLA's memory and schedule for the gradient sync.",
-        epilog="exit status: 0 planned; 2 bad input or the step did not plan; 3 no usable CUDA PJRT "
-        "plugin (pip install -e '.[gpu-compile]')",
+        "XLA's memory and schedule for the gradient sync. With --loss/--params/--batch (your model) "
+        "or several --strategy values: one table comparing the strategies, and a verdict on whether "
+        "the activations or the gradient sync set the peak.",
+        epilog="MODULE is an importable module (examples.my_model) or a path to a .py file "
+        "(examples/my_model.py). PARAMS and BATCH are called with no arguments, or with the keywords "
+        "num_devices=, layers=, d_model=, heads=, seq=, micro_batch= where they have parameters of "
+        "those names (num_devices always, the others when given). exit status: 0 planned; 2 bad input "
+        "or the step did not plan; 3 no usable CUDA PJRT plugin (pip install -e '.[gpu-compile]')",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="gpt-blocks", help=f"model preset: {', '.join(models.PRESETS)}")
-    src.add_argument("--step", metavar="MODULE:FUNCTION",
-                     help="your own step: FUNCTION(mesh) returns (jitted_step, abstract_args)")
-    p.add_argument("--strategy", default="fp32_accum+drain",
-                   help="gspmd, gspmd+flags, no_comm, MODE, MODE+drain or MODE+drainK "
-                   f"(MODE: {', '.join(REDUCE_MODES)})")
+    src.add_argument("--loss", metavar="MODULE:LOSS_FN",
+                     help="your model's LOSS_FN(params, batch): the per-device mean loss; needs --params and --batch")
+    src.add_argument("--step", metavar="MODULE:FUNCTION", help=_STEP_HELP)
+    p.add_argument("--params", metavar="MODULE:PARAMS",
+                   help="with --loss: PARAMS() returns the params, global shapes (arrays or jax.ShapeDtypeStruct)")
+    p.add_argument("--batch", metavar="MODULE:BATCH",
+                   help="with --loss: BATCH() returns one step's global batch, split over the devices along "
+                   "its leading axis (arrays or jax.ShapeDtypeStruct)")
+    p.add_argument("--strategy", action="append", metavar="NAME[,NAME...]",
+                   help="repeat or separate with commas: gspmd, gspmd+flags, no_comm, MODE, MODE+drain, "
+                   f"MODE+drainK, MODE+drain+split (MODE: {', '.join(REDUCE_MODES)}). Default: "
+                   f"fp32_accum+drain for a preset, {', '.join(DEFAULT_STRATEGIES)} for --loss")
     p.add_argument("--target", default="h100", help="GPU target: h100, h200, a100")
     p.add_argument("--topology", default="1x1x8", help="SLICESxHOSTSxGPUS, e.g. 1x1x8 or 1x2x8")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--bucket-size", type=int, help="bucket size in elements")
-    size.add_argument("--num-buckets", type=int, default=24, help="about this many buckets (default 24)")
-    p.add_argument("--layers", type=int, help="override the preset's number of blocks")
-    p.add_argument("--d-model", type=int, help="override the preset's model width")
-    p.add_argument("--heads", type=int, help="override the preset's attention heads")
-    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    size.add_argument("--bucket-size", type=_positive_int, help="bucket size in elements")
+    size.add_argument("--num-buckets", type=_positive_int,
+                      help=f"about this many buckets (default {_DEFAULT_NUM_BUCKETS})")
+    p.add_argument("--layers", type=_positive_int, help="the preset's number of blocks (or your PARAMS' layers=)")
+    p.add_argument("--d-model", type=_positive_int, help="the preset's model width (or d_model=)")
+    p.add_argument("--heads", type=_positive_int, help="the preset's attention heads (or heads=)")
+    p.add_argument("--seq", type=_positive_int, help="the preset's sequence length (or your BATCH's seq=)")
     p.add_argument("--scan-layers", action="store_true",
-                   help="run the blocks under nnx.scan; the sync reduce-scatters inside the backward scan")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per device")
+                   help="run the blocks under nnx.scan; the sync reduce-scatters inside the backward scan "
+                   "(with --loss: require a scanned loss; without it, scanned leaves are found by themselves)")
+    p.add_argument("--micro-batch", type=_positive_int,
+                   help="sequences per device (preset default 1; or your BATCH's micro_batch=)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option, e.g. xla_gpu_experimental_parallel_collective_overlap_limit=2")
-    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON: one row per strategy (a list) for "
+                   "--loss, --step or several strategies; one preset strategy's full report otherwise")
     p.add_argument("--plot", metavar="FILE.png", help="plot live bytes over the schedule")
     return p
 
@@ -58,29 +111,57 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.step:
-            report = _plan_user_step(args.step, args.target, args.topology, _xla_options(args.xla_option))
+        strategies = _strategy_list(args.strategy)
+        options = _xla_options(args.xla_option)
+        if args.loss or args.params or args.batch:
+            report: Plan | Comparison = _plan_user_model(args, strategies, options)
+        elif args.step:
+            report = _plan_user_step(args, strategies, options)
+        elif strategies and len(strategies) > 1:
+            report = _compare_preset(args, strategies, options)
         else:
-            config = preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq,
-                                   args.scan_layers or None)
             report = plan_preset(
-                config, args.strategy, args.target, args.topology, bucket_size=args.bucket_size,
-                num_buckets=None if args.bucket_size else args.num_buckets, micro_batch=args.micro_batch,
-                compiler_options=_xla_options(args.xla_option),
+                _preset(args), strategies[0] if strategies else "fp32_accum+drain", args.target, args.topology,
+                bucket_size=args.bucket_size, num_buckets=None if args.bucket_size else _num_buckets_arg(args),
+                micro_batch=args.micro_batch or 1, compiler_options=options,
             )
+        print(report.report() if isinstance(report, Comparison) else report.table())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report.to_json(), f, indent=1)
+        if args.plot:
+            report.plot(args.plot)
     except GpuCompileUnavailable as e:  # no usable CUDA PJRT plugin: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 3
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(report.table())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=1)
-    if args.plot:
-        report.plot(args.plot)
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _strategy_list(values: Sequence[str] | None) -> list[str] | None:
+    """``--strategy`` values, repeated and/or comma-separated, checked; ``None`` when not given."""
+    if not values:
+        return None
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--strategy needs at least one name")
+    for name in names:
+        Strategy.parse(name)
+    return list(dict.fromkeys(names))
+
+
+def _num_buckets_arg(args: argparse.Namespace) -> int:
+    return args.num_buckets or _DEFAULT_NUM_BUCKETS
+
+
+def _preset(args: argparse.Namespace) -> models.GPTConfig:
+    return preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq, args.scan_layers or None)
 
 
 def _xla_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -95,15 +176,195 @@ def _xla_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def _plan_user_step(spec: str, target: str, topology: str, options: dict[str, Any]) -> Plan:
-    module_name, _, func_name = spec.partition(":")
-    if not module_name or not func_name:
-        raise ValueError(f"--step takes MODULE:FUNCTION, got {spec!r}")
-    make = getattr(importlib.import_module(module_name), func_name)
-    slices, hosts, gpus = parse_topology(topology)
-    mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=target, topology=topology)
-    step, args = make(mesh)
-    return plan(step, *args, target=target, topology=topology, compiler_options=options or None)
+# -- MODULE:NAME ------------------------------------------------------------------------------
+
+def _import(module_name: str, flag: str) -> Any:
+    """The module ``module_name``: a path to a ``.py`` file (loaded once) or an importable name."""
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        path = pathlib.Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"{flag}: no such file {module_name!r}")
+        path = path.resolve()
+        stem = re.sub(r"\W", "_", path.stem)
+        key = f"_jax_drain_user_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        if key in sys.modules:
+            return sys.modules[key]
+        spec = importlib.util.spec_from_file_location(key, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{flag}: cannot load {module_name!r} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        if str(path.parent) not in sys.path:  # the file can import its neighbours, as a script could
+            sys.path.insert(0, str(path.parent))
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[key]
+            raise ValueError(f"{flag}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"{flag}: no module named {module_name!r} (run from the directory that holds it, "
+                             "add that directory to PYTHONPATH, or give the path to the .py file)") from None
+        raise ValueError(f"{flag}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:
+        raise ValueError(f"{flag}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+
+
+def load_callable(spec: str, flag: str) -> Callable[..., Any]:
+    """The callable ``MODULE:NAME`` names (``NAME`` may be dotted); a one-line ``ValueError``
+    saying what is wrong otherwise."""
+    module_name, sep, name = (spec or "").rpartition(":")
+    if not sep or not module_name.strip() or not name.strip():
+        raise ValueError(f"{flag} takes MODULE:NAME (a module or a path to a .py file, a colon, a function "
+                         f"in it), got {spec!r}")
+    obj = _import(module_name, flag)
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            public = sorted(k for k, v in vars(_import(module_name, flag)).items()
+                            if callable(v) and not k.startswith("_"))[:8]
+            raise ValueError(f"{flag}: {module_name} has no attribute {name!r}"
+                             + (f" (its functions: {', '.join(public)})" if public else ""))
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{flag}: {spec} is not callable: it is {type(obj).__name__} {obj!r:.60}")
+    return obj
+
+
+def _keywords(fn: Callable[..., Any]) -> set[str] | None:
+    """Keyword names ``fn`` accepts; ``None`` when it takes ``**kwargs`` (any)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _offer(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``offered`` that ``fn`` accepts."""
+    accepted = _keywords(fn)
+    return dict(offered) if accepted is None else {k: v for k, v in offered.items() if k in accepted}
+
+
+def _call(fn: Callable[..., Any], spec: str, flag: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except StrategyUnavailable:
+        raise
+    except Exception as e:
+        shown = ", ".join([*("mesh" for _ in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise ValueError(f"{flag}: {spec}({shown}) raised {type(e).__name__}: {e}") from None
+
+
+def _given_sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {k: getattr(args, k) for k in SIZE_KEYWORDS if getattr(args, k) is not None}
+
+
+def _refuse_unused(given: dict[str, Any], used: set[str], where: str) -> None:
+    unused = [k for k in given if k not in used]
+    if unused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+        names = " or ".join(f"`{k}`" for k in unused)
+        raise ValueError(f"{flags} given, but {where} has no {names} parameter to receive it")
+
+
+def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> Comparison:
+    missing = [flag for flag, value in (("--loss", args.loss), ("--params", args.params), ("--batch", args.batch))
+               if not value]
+    if missing:
+        raise ValueError(f"your model needs --loss, --params and --batch (MODULE:NAME each); {', '.join(missing)} "
+                         "missing")
+    loss_fn = load_callable(args.loss, "--loss")
+    params_fn = load_callable(args.params, "--params")
+    batch_fn = load_callable(args.batch, "--batch")
+    slices, hosts, gpus = parse_topology(args.topology)
+    given = _given_sizes(args)
+    offered = {**given, "num_devices": slices * hosts * gpus}
+    values, used = {}, set()
+    for flag, spec, fn in (("--params", args.params, params_fn), ("--batch", args.batch, batch_fn)):
+        kwargs = _offer(fn, offered)
+        used |= set(kwargs)
+        value = _call(fn, spec, flag, **kwargs)
+        if value is None:
+            raise ValueError(f"{flag}: {spec}() returned None; it must return a pytree of arrays or "
+                             "jax.ShapeDtypeStructs")
+        values[flag] = abstract_tree(value, f"{flag}: {spec}()")
+    _refuse_unused(given, used, f"neither {args.params} nor {args.batch}")
+    name = args.loss.rpartition(":")[0]
+    return plan_model(
+        loss_fn, values["--params"], values["--batch"], strategies or DEFAULT_STRATEGIES,
+        target=args.target, topology=args.topology, bucket_size=args.bucket_size,
+        num_buckets=None if args.bucket_size else _num_buckets_arg(args), compiler_options=options or None,
+        scan=True if args.scan_layers else None, name=pathlib.Path(name).stem if name.endswith(".py") else name,
+    )
+
+
+def _plan_user_step(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> Comparison:
+    make = load_callable(args.step, "--step")
+    accepted = _keywords(make)
+    takes_strategy = accepted is None or "strategy" in accepted
+    if strategies and not takes_strategy:
+        raise ValueError(f"--step: {args.step} has no `strategy` parameter, so --strategy cannot reach it; add "
+                         "one (it receives a jax_drain.plan.Strategy)")
+    given = _given_sizes(args)
+    given.update({k: getattr(args, k) for k in ("bucket_size", "num_buckets") if getattr(args, k) is not None})
+    offered = _offer(make, given)
+    _refuse_unused(given, set(offered), args.step)
+    slices, hosts, gpus = parse_topology(args.topology)
+    mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=args.target, topology=args.topology)
+    rows = []
+    for name in (strategies or DEFAULT_STRATEGIES) if takes_strategy else ("step",):
+        kwargs = {**offered, **({"strategy": Strategy.parse(name)} if takes_strategy else {})}
+        try:
+            out = _call(make, args.step, "--step", mesh, **kwargs)
+        except StrategyUnavailable as e:  # the step says it cannot build this strategy
+            rows.append(Row(name, unavailable=str(e)))
+            continue
+        step, step_args, sync = _step_parts(out, args.step)
+        report = plan(step, *step_args, target=args.target, topology=args.topology,
+                      compiler_options=options or None, scope=SCOPE_PREFIX,
+                      strategy=name, num_buckets=_num_buckets(sync) if hasattr(sync, "chains") else None,
+                      bucket_size=args.bucket_size)
+        rows.append(Row(name, report))
+    return Comparison(tuple(rows), args.target, args.topology, mesh.size, args.step)
+
+
+def _step_parts(out: Any, spec: str) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+    shape = "it must return (jitted_step, abstract_args) or (jitted_step, abstract_args, sync)"
+    if out is None:
+        raise ValueError(f"--step: {spec}(mesh) returned None; {shape}")
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+        raise ValueError(f"--step: {spec}(mesh) returned a {type(out).__name__}; {shape}")
+    step, step_args, sync = (*out, None) if len(out) == 2 else out
+    if not callable(step):
+        raise ValueError(f"--step: {spec}(mesh) returned a {type(step).__name__} as its step; {shape}")
+    if not isinstance(step_args, (tuple, list)):
+        raise ValueError(f"--step: {spec}(mesh) returned a {type(step_args).__name__} as abstract_args, not a "
+                         f"tuple of the step's arguments; {shape}")
+    return step, tuple(step_args), sync
+
+
+def _compare_preset(args: argparse.Namespace, strategies: list[str], options: dict[str, Any]) -> Comparison:
+    config = _preset(args)
+    rows = []
+    for name in strategies:
+        try:
+            report = plan_preset(config, name, args.target, args.topology, bucket_size=args.bucket_size,
+                                 num_buckets=None if args.bucket_size else _num_buckets_arg(args),
+                                 micro_batch=args.micro_batch or 1, compiler_options=options)
+        except StrategyUnavailable as e:
+            rows.append(Row(name, unavailable=str(e)))
+            continue
+        rows.append(Row(name, report))
+    slices, hosts, gpus = parse_topology(args.topology)
+    params = models.abstract_params(config)
+    batch = models.example_batch(config, (args.micro_batch or 1) * slices * hosts * gpus)
+    return Comparison(tuple(rows), args.target, args.topology, slices * hosts * gpus,
+                      f"preset {args.preset}: {describe_model(params, batch)}", largest_leaf(params))
 
 
 def run() -> NoReturn:

@@ -6,8 +6,11 @@ XLA's own buffer assignment (``memory_analysis()``) and final schedule (``as_tex
 kind, dtype, bytes and devices per group, how many buckets are in flight at once per bucket
 chain (dense ``jax_drain/bucket{k}``, expert ``jax_drain/expert/bucket{k}``; a collective XLA
 combined from several buckets without a name is attributed by what feeds it), whether each
-collective overlaps compute, and an approximate live-bytes curve. :func:`build_mesh_step` builds
-a tensor-parallel HSDP step (``("replica", "data", "model")``) to plan.
+collective overlaps compute, and an approximate live-bytes curve. :func:`build_user_step` builds
+any ``loss_fn(params, batch)``'s gradient step with a :class:`Strategy` (the presets' steps and
+baselines, :func:`build_step`, are built with it; :mod:`jax_drain.planner.compare` compares them
+on your model); :func:`build_mesh_step` builds a tensor-parallel HSDP step
+(``("replica", "data", "model")``) to plan.
 
 Python (``jax_drain.plan`` re-exports this module's public names and the targets')::
 
@@ -29,6 +32,7 @@ CLI (:mod:`jax_drain.planner.cli`)::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import time
@@ -44,7 +48,7 @@ from jax_drain.drain import sequenced_map
 from jax_drain.chain import ChainedSync
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order
-from jax_drain.planner.schedule import Collective, Schedule, parse_schedule
+from jax_drain.planner.schedule import COLLECTIVE_KINDS, Collective, Schedule, parse_schedule
 from jax_drain.planner.targets import gpu_mesh, parse_topology
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
@@ -71,27 +75,45 @@ class PlanError(ValueError):
     """A step could not be traced, lowered or compiled for the GPU target."""
 
 
+class StrategyUnavailable(PlanError):
+    """A strategy this version of the runtime cannot build (e.g. ``+split`` without
+    ``GradSync(split_leaves=...)``); comparisons report it in its row instead of failing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """How gradients are synchronised: a baseline or a jax_drain reduce mode and drain depth."""
+    """How gradients are synchronised: a baseline or a jax_drain reduce mode and drain depth.
+
+    ``split``: the ``+split`` suffix, leaves larger than a bucket split across buckets
+    (``GradSync(split_leaves=True)``, where the runtime has that option).
+    """
 
     name: str
     reduce: str | None = None  # None for baselines
     max_in_flight: int | None = None  # None: undrained
+    split: bool = False
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.reduce is None
 
     @classmethod
     def parse(cls, name: str) -> "Strategy":
-        """``"gspmd"``, ``"no_comm"``, ``"fp32_accum"``, ``"fp32_accum+drain"``, ``"bf16+drain2"``..."""
+        """``"gspmd"``, ``"no_comm"``, ``"fp32_accum"``, ``"fp32_accum+drain"``, ``"bf16+drain2"``,
+        ``"fp32_accum+drain+split"``..."""
+        name = name.strip()
         if name in BASELINES:
             return cls(name)
-        mode, _, drain = name.partition("+")
-        match = re.fullmatch(r"drain(\d*)", drain)
-        if mode in REDUCE_MODES and (not drain or match):
-            depth = int(match.group(1) or 1) if drain else None
+        mode, *flags = name.split("+")
+        split = bool(flags) and flags[-1] == "split"
+        flags = flags[:-1] if split else flags
+        match = re.fullmatch(r"drain(\d*)", flags[0]) if len(flags) == 1 else None
+        if mode in REDUCE_MODES and (not flags or match):
+            depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth)
-        known = list(BASELINES) + [f"{m}[+drain[K]]" for m in REDUCE_MODES]
+            return cls(name, mode, depth, split)
+        known = list(BASELINES) + [f"{m}[+drain[K]][+split]" for m in REDUCE_MODES]
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -118,6 +140,26 @@ class Plan:
     collective_buckets: tuple[tuple[BucketRef, ...], ...] = ()
     # Per bucket chain ("dense", "expert") that has collectives: most of its buckets in flight.
     chains_in_flight: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
+    # Every collective of the compiled program, XLA's own included (``collectives`` above are
+    # the sync's only); empty for a Plan built by hand.
+    all_collectives: tuple[Collective, ...] = ()
+
+    def collective_counts(self) -> list[dict[str, Any]]:
+        """Every collective of the compiled program by kind and dtype: ``{"kind", "dtype",
+        "count", "bytes"}`` (bytes summed), kinds in :data:`COLLECTIVE_KINDS` order. A collective
+        inside a loop body counts once.
+
+        Example::
+
+            >>> report.collective_counts()  # doctest: +SKIP
+            [{'kind': 'all-reduce', 'dtype': 'f32', 'count': 1, 'bytes': 4},
+             {'kind': 'all-to-all', 'dtype': 'bf16', 'count': 6, 'bytes': 4718592}]
+        """
+        return collective_counts(self.all_collectives)
+
+    def collectives_summary(self) -> str:
+        """``"1x all-reduce f32, 6x all-to-all bf16"``: :meth:`collective_counts` in words."""
+        return summarize_collectives(self.all_collectives)
 
     def buckets_of(self, c: Collective) -> tuple[BucketRef, ...]:
         """The (chain, bucket) pairs collective ``c`` of this plan carries (several when XLA
@@ -161,6 +203,7 @@ class Plan:
             "collectives_in_flight": self.collectives_in_flight,
             "peak_live_bytes": max(self.live_bytes, default=0),
             "compile_s": round(self.compile_s, 3),
+            "all_collectives": self.collective_counts(),
             "collectives": [
                 {
                     "kind": c.kind,
@@ -196,6 +239,7 @@ class Plan:
             + (f" ({', '.join(f'{k} {v}' for k, v in self.chains_in_flight.items())})"
                if len(self.chains_in_flight) > 1 else "")
             + f", {self.collectives_in_flight} collectives",
+            f"  all collectives in the program: {self.collectives_summary()}",
         ]
         head += [f"  note: {n}" for n in self.notes]
         rows = [("chain", "bucket", "kind", "dtype", "bytes", "group", "start", "done", "overlap")]
@@ -229,6 +273,24 @@ class Plan:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def collective_counts(collectives: Sequence[Collective]) -> list[dict[str, Any]]:
+    """``{"kind", "dtype", "count", "bytes"}`` per (kind, dtype) of ``collectives``, kinds in
+    :data:`COLLECTIVE_KINDS` order, then dtype."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for c in collectives:
+        entry = counts.setdefault((c.kind, c.dtype), [0, 0])
+        entry[0] += 1
+        entry[1] += c.bytes
+    rank = {kind: i for i, kind in enumerate(COLLECTIVE_KINDS)}
+    return [{"kind": kind, "dtype": dtype, "count": n, "bytes": b}
+            for (kind, dtype), (n, b) in sorted(counts.items(), key=lambda kv: (rank.get(kv[0][0], 99), kv[0]))]
+
+
+def summarize_collectives(collectives: Sequence[Collective]) -> str:
+    """``"3x all-reduce f32, 24x all-to-all bf16"`` (``"none"`` without collectives)."""
+    return ", ".join(f"{e['count']}x {e['kind']} {e['dtype'] or '-'}" for e in collective_counts(collectives)) or "none"
 
 
 def _ranges(ks: Sequence[int]) -> str:
@@ -397,6 +459,7 @@ def plan(
         live_bytes=tuple(sched.live_bytes()),
         collective_buckets=tuple(collective_buckets(sched, c) for c in mine),
         chains_in_flight=chains_in_flight,
+        all_collectives=sched.collectives,
         **report_fields,
     )
 
@@ -458,18 +521,63 @@ def build_step(
     micro_batch: int = 1,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
     """A jitted gradient step for ``config`` on ``mesh`` with ``strategy``, its abstract inputs
-    (params, batch) and its sync (``None`` for baselines).
+    (params, batch) and its sync (``None`` for baselines): :func:`build_user_step` on the
+    preset's loss, params and a batch of ``micro_batch`` sequences per device.
 
     A scanned preset (``config.scan_layers``) syncs with :class:`ScanGradSync`: each layer's
     buckets are reduce-scattered inside the backward scan. Its ``no_comm`` floor keeps the
     stacked gradients and reduces their buckets locally, as the scanned model without
     jax_drain's in-scan sync would have to.
     """
-    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
     params = models.abstract_params(config)
     batch = models.example_batch(config, micro_batch * mesh.shape[axis])
     loss_fn = models.make_loss(config)
+    stacked = stacked_leaves(loss_fn, params, batch) if config.scan_layers else None
+    return build_user_step(strategy, loss_fn, params, batch, mesh, axis=axis, bucket_size=bucket_size,
+                           stacked=stacked)
 
+
+def split_supported(cls: type = GradSync) -> bool:
+    """Whether this version's ``cls`` (``GradSync``, ``ScanGradSync``) has the ``split_leaves``
+    option that the ``+split`` strategies need."""
+    try:
+        return "split_leaves" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a signature inspect cannot read
+        return False
+
+
+def build_user_step(
+    strategy: Strategy | str,
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    mesh: Mesh,
+    *,
+    axis: str = "data",
+    bucket_size: int | None = None,
+    order: Sequence[int] | None = None,
+    stacked: Any = None,
+) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
+    """A jitted gradient step of any ``loss_fn(params, batch)`` with ``strategy`` on ``mesh``
+    (data parallel over ``axis``), its abstract inputs (params, batch) and its sync (``None``
+    for baselines).
+
+    ``params`` and ``batch`` are global-shape pytrees of arrays or ``jax.ShapeDtypeStruct``;
+    the batch is split along its leading axis over ``axis``, params are replicated, and
+    ``loss_fn`` gets this device's part of the batch (its per-device mean loss).
+
+    * ``gspmd``/``gspmd+flags``: plain ``jax.jit(jax.grad(loss_fn))``, gradients sharded where
+      their leading dimension divides; XLA places the communication.
+    * ``no_comm``: the same buckets, each reduced over its own chunks locally (drained): the
+      sync's work minus the wire, the floor a gradient sync can approach.
+    * ``MODE[+drain[K]][+split]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
+      (a mask of scanned leaves, :func:`jax_drain.stacked_leaves`) :class:`ScanGradSync`.
+
+    ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) is traced from
+    ``loss_fn`` when not given. Raises :class:`StrategyUnavailable` for a ``+split`` strategy
+    when the runtime has no ``split_leaves`` option.
+    """
+    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
     if strategy.name in ("gspmd", "gspmd+flags"):
         n = mesh.shape[axis]
         grad_spec = lambda p: P(axis) if p.ndim and p.shape[0] % n == 0 else P()
@@ -480,20 +588,28 @@ def build_step(
         )
         return step, (params, batch), None
 
+    scanned = stacked is not None and any(jax.tree.leaves(stacked))
+    extra: dict[str, Any] = {}
+    if strategy.split:
+        cls = ScanGradSync if scanned and strategy.name != "no_comm" else GradSync
+        if not split_supported(cls):
+            raise StrategyUnavailable(
+                f"not available in this version: {cls.__name__} has no split_leaves option")
+        extra["split_leaves"] = True
     drain = strategy.max_in_flight is not None
-    if config.scan_layers and strategy.name != "no_comm":
+    if scanned and strategy.name != "no_comm":
         scan_sync = ScanGradSync(
-            params, mesh, axis=axis, stacked=stacked_leaves(loss_fn, params, batch), bucket_size=bucket_size,
-            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight,
+            params, mesh, axis=axis, stacked=stacked, bucket_size=bucket_size,
+            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, **extra,
         )
         step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
                                          out_specs=(P(), scan_sync.shard_specs())))
         return step, (params, batch), scan_sync
 
-    order = grad_ready_order(loss_fn, params, batch)
+    order = grad_ready_order(loss_fn, params, batch) if order is None else order
     sync = GradSync(
         params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
-        drain=drain, max_in_flight=strategy.max_in_flight, order=order,
+        drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
     )
     if strategy.name == "no_comm":
         def local_step(p, b):
@@ -512,6 +628,18 @@ def build_step(
         fn = sync.value_and_grad(loss_fn)
     step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
     return step, (params, batch), sync
+
+
+def strategy_options(strategy: Strategy, bucket_bytes: int | None) -> dict[str, Any]:
+    """XLA options a strategy compiles with: for ``gspmd+flags`` the reduce-scatter combine
+    threshold at one bucket's bytes and the latency-hiding scheduler; none otherwise."""
+    if strategy.name != "gspmd+flags":
+        return {}
+    options: dict[str, Any] = {}
+    if bucket_bytes:
+        options["xla_gpu_reduce_scatter_combine_threshold_bytes"] = bucket_bytes
+    options["xla_gpu_enable_latency_hiding_scheduler"] = True
+    return options
 
 
 def mesh_block_params(layers: int, d_model: int, expert: bool = False, num_experts: int = 4,
@@ -651,10 +779,8 @@ def plan_preset(
         bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order)
     step, args, sync = build_step(strat, config, mesh, bucket_size=bucket_size, micro_batch=micro_batch)
     options, notes = dict(compiler_options or {}), []
-    if strat.name == "gspmd+flags":
-        itemsize = jnp.dtype(config.param_dtype).itemsize
-        options.setdefault("xla_gpu_reduce_scatter_combine_threshold_bytes", bucket_size * itemsize)
-        options.setdefault("xla_gpu_enable_latency_hiding_scheduler", True)
+    for name, value in strategy_options(strat, bucket_size * jnp.dtype(config.param_dtype).itemsize).items():
+        options.setdefault(name, value)
     if options:
         notes.append(f"XLA options {options}")
     return plan(

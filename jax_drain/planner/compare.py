@@ -1,0 +1,374 @@
+"""Plan your own model: compile its gradient step once per strategy and say what sets the peak.
+
+:func:`plan_model` takes any ``loss_fn(params, batch)`` (the per-device mean loss) with
+global-shape params and batch (arrays or ``jax.ShapeDtypeStruct``), builds each strategy's step
+with :func:`jax_drain.planner.plan.build_user_step` (the presets' machinery: ``gspmd`` = plain
+``jax.jit``, ``no_comm`` = the same buckets without the wire, jax_drain's reduce modes drained
+or not), compiles them for compile-only GPU devices and returns a :class:`Comparison`: one row
+per strategy (XLA's temp and argument bytes, approximate peak live bytes, buckets, every
+collective of the program by kind and dtype, overlap) and a plain-language verdict: whether the
+activations or the gradient sync set the peak, and which strategy and bucket size to use.
+
+Example::
+
+    from jax_drain import plan
+
+    report = plan.plan_model(loss_fn, abstract_params, abstract_batch, num_buckets=12)
+    print(report.table())
+    print(report.verdict())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_drain.order import grad_ready_order
+from jax_drain.planner.plan import (
+    SCOPE_PREFIX, Plan, PlanError, Strategy, StrategyUnavailable, _num_buckets, _pyplot, build_user_step,
+    bucket_size_for, plan, strategy_options,
+)
+from jax_drain.planner.targets import gpu_mesh, parse_topology
+from jax_drain.scan import stacked_leaves
+
+#: What :func:`plan_model` and ``python -m jax_drain.plan --loss`` compare by default: plain
+#: ``jax.jit``, the no-communication floor, and fp32-accumulated reduce-scatter undrained,
+#: drained and streamed.
+DEFAULT_STRATEGIES = ("gspmd", "no_comm", "fp32_accum", "fp32_accum+drain", "fp32_accum_streamed+drain")
+
+_MIB = 2**20
+# Two temps within this of each other are "close": 10% of the larger, at least 64 KiB.
+_CLOSE_FRACTION, _CLOSE_BYTES = 0.10, 64 * 1024
+
+
+def _mib(b: float) -> str:
+    return f"{b / _MIB:,.1f} MiB"
+
+
+def _buckets(p: Plan) -> str:
+    """``" with 12 buckets (--bucket-size 196608)"``, as far as known."""
+    size = f" (--bucket-size {p.bucket_size})" if p.bucket_size is not None else ""
+    return f" with {p.num_buckets} buckets{size}" if p.num_buckets is not None else size
+
+
+def _strategy(name: str) -> Strategy | None:
+    try:
+        return Strategy.parse(name)
+    except ValueError:  # a user step's own label
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One strategy of a :class:`Comparison`: its :class:`Plan`, or why it could not be built."""
+
+    strategy: str
+    plan: Plan | None = None
+    unavailable: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``strategy``, ``available``, ``num_buckets``, ``bucket_size``, ``temp_bytes``,
+        ``argument_bytes``, ``output_bytes``, ``peak_live_bytes``, ``collectives`` (every
+        collective of the program: ``{kind, dtype, count, bytes}``), ``sync_collectives`` (the
+        gradient sync's, one entry each, as in :meth:`Plan.to_json`), ``pairs``, ``overlapped``,
+        ``buckets_in_flight``, ``compile_s``, ``notes``; ``unavailable`` instead of the numbers
+        for a strategy this version cannot build."""
+        if self.plan is None:
+            return {"strategy": self.strategy, "available": False, "unavailable": self.unavailable,
+                    "num_buckets": None, "temp_bytes": None, "argument_bytes": None, "collectives": []}
+        full = self.plan.to_json()
+        keys = ("num_buckets", "bucket_size", "temp_bytes", "argument_bytes", "output_bytes", "peak_live_bytes",
+                "pairs", "overlapped", "buckets_in_flight", "chains_in_flight", "collectives_in_flight",
+                "compile_s", "target", "topology", "num_devices", "notes")
+        return {"strategy": self.strategy, "available": True, **{k: full[k] for k in keys},
+                "collectives": self.plan.collective_counts(), "sync_collectives": full["collectives"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Strategies compiled side by side for one model; bytes per device."""
+
+    rows: tuple[Row, ...]
+    target: str
+    topology: str
+    num_devices: int
+    model: str = ""  # one line about the model, for the table's head
+    largest_leaf: tuple[str, int] | None = None  # (path, elements) of the largest parameter
+
+    def row(self, strategy: str) -> Row | None:
+        return next((r for r in self.rows if r.strategy == strategy), None)
+
+    def _plans(self) -> dict[str, Plan]:
+        return {r.strategy: r.plan for r in self.rows if r.plan is not None}
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """One :meth:`Row.to_json` per strategy, in order."""
+        return [r.to_json() for r in self.rows]
+
+    def table(self) -> str:
+        """One line per strategy: temp, arguments, peak live bytes, buckets, every collective of
+        the compiled program by kind and dtype, and overlapped/async gradient-sync collectives."""
+        head = [f"{self.model + ' ' if self.model else ''}on {self.num_devices}x {self.target} ({self.topology})",
+                "  bytes per device: temp and arguments from XLA's buffer assignment, peak live approximate",
+                "  overlap: sync collectives overlapping compute / async ones; collectives: all in the program"]
+        rows = [("strategy", "temp", "arguments", "peak live", "buckets", "overlap", "collectives")]
+        for r in self.rows:
+            p = r.plan
+            if p is None:
+                rows.append((r.strategy, r.unavailable or "not available"))
+                continue
+            rows.append((r.strategy, _mib(p.temp_bytes), _mib(p.argument_bytes), _mib(max(p.live_bytes, default=0)),
+                         "-" if p.num_buckets is None else str(p.num_buckets),
+                         f"{p.overlapped}/{p.pairs}" if p.pairs else "-", p.collectives_summary()))
+        widths = [max(len(row[i]) for row in rows if len(row) > 2) for i in range(6)]
+        widths[0] = max(len(row[0]) for row in rows)
+        lines = []
+        for row in rows:
+            if len(row) == 2:  # not available: the reason in place of the numbers
+                lines.append(f"  {row[0].ljust(widths[0])}  {row[1]}")
+                continue
+            cells = [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:6], widths[1:6])] + [row[6]]
+            lines.append("  " + "  ".join(cells))
+        return "\n".join(head + lines)
+
+    def recommended(self) -> str | None:
+        """The jax_drain strategy to use: the drained one (any, without drained rows) with the
+        least temp; among those within 2% of it, the one whose collectives overlap most."""
+        syncs = {n: p for n, p in self._plans().items() if (s := _strategy(n)) is not None and not s.is_baseline}
+        drained = {n: p for n, p in syncs.items() if _strategy(n).max_in_flight is not None} or syncs
+        if not drained:
+            return None
+        least = min(p.temp_bytes for p in drained.values())
+        near = [n for n, p in drained.items() if p.temp_bytes <= least + max(0.02 * least, _CLOSE_BYTES)]
+        return max(near, key=lambda n: (drained[n].overlapped / drained[n].pairs if drained[n].pairs else 0,
+                                         -drained[n].temp_bytes))
+
+    def verdict(self) -> str:
+        """Where the peak is and what to use, in words, with the numbers (temp bytes).
+
+        Activations set the peak when ``no_comm`` (the same step without gradient communication)
+        needs about as much temp as ``gspmd`` and the recommended jax_drain strategy (within 10%);
+        the gradient sync sets it when ``gspmd`` or an undrained strategy needs well more.
+        """
+        plans = self._plans()
+        if not plans:
+            return "verdict: no strategy compiled."
+        floor, gspmd = plans.get("no_comm"), plans.get("gspmd")
+        best_name = self.recommended()
+        best = plans.get(best_name) if best_name else None
+        if floor is None:
+            lowest = min(plans, key=lambda n: plans[n].temp_bytes)
+            return (f"verdict: without a no_comm row the activations cannot be told from the gradient sync "
+                    f"(add --strategy no_comm); the least temp is {lowest}'s, {_mib(plans[lowest].temp_bytes)}"
+                    + (f"; use {best_name}{_buckets(best)}." if best is not None else "."))
+        f = floor.temp_bytes
+        above = lambda p: p.temp_bytes - f
+        heavy = lambda p: above(p) > max(_CLOSE_FRACTION * max(p.temp_bytes, f), _CLOSE_BYTES)
+        label = lambda n: {"gspmd": "gspmd (plain jax.jit)"}.get(n, f"{n} (undrained)" if n in undrained else n)
+        undrained = {n: p for n, p in plans.items()
+                     if (s := _strategy(n)) is not None and s.reduce and s.max_in_flight is None}
+        heavy_others = {n: p for n, p in [("gspmd", gspmd), *undrained.items()] if p is not None and heavy(p)}
+        use = f"{best_name}{_buckets(best)}: {_mib(best.temp_bytes)} temp" if best is not None else ""
+        lines = []
+        if heavy_others:
+            needs = [f"{label(n)} {_mib(p.temp_bytes)}" for n, p in heavy_others.items()]
+            most = max(above(p) for p in heavy_others.values())
+            lines.append(
+                f"verdict: the gradient sync sets the peak. {' and '.join(needs)} of temp: up to {_mib(most)} "
+                f"({100 * most / max(f, 1):.0f}%) above the {_mib(f)} of the same step without gradient "
+                "communication (no_comm).")
+            if best is not None:
+                baseline = gspmd if gspmd is not None else max(heavy_others.values(), key=lambda p: p.temp_bytes)
+                base_name = "gspmd" if gspmd is not None else max(heavy_others, key=lambda n: heavy_others[n].temp_bytes)
+                saved = baseline.temp_bytes - best.temp_bytes
+                lines.append(f"Use {use}, {_mib(abs(saved))} {'less' if saved >= 0 else 'more'} than {base_name} "
+                             f"and {_mib(abs(above(best)))} {'above' if above(best) > 0 else 'below'} no_comm.")
+        elif best is None or not heavy(best):
+            shown = [(n, p) for n, p in (("gspmd", gspmd), (best_name, best)) if p is not None]
+            spread = max([abs(above(p)) for _, p in shown], default=0)
+            lines.append(
+                f"verdict: activations set the peak. The step without gradient communication (no_comm) needs "
+                f"{_mib(f)} of temp" + "".join(f", {n} {_mib(p.temp_bytes)}" for n, p in shown)
+                + f": within {_mib(spread)} ({100 * spread / max(f, 1):.0f}%), so the gradient sync adds little and "
+                "the bucket count will not move the peak; a smaller micro-batch, a shorter sequence or more "
+                "rematerialisation will.")
+            if best is not None:
+                lines.append(f"For fp32-accumulated gradients use {use}.")
+        else:
+            lines.append(
+                f"verdict: activations set gspmd's peak ({_mib(gspmd.temp_bytes)} against {_mib(f)} without "
+                f"gradient communication), but {best_name}'s bucket scratch sets its own: "
+                f"{_mib(best.temp_bytes)}, {_mib(above(best))} above no_comm." if gspmd is not None else
+                f"verdict: {best_name}'s bucket scratch sets its peak: {_mib(best.temp_bytes)}, "
+                f"{_mib(above(best))} above the {_mib(f)} without gradient communication (no_comm).")
+            lines.append("Use plain jax.jit (gspmd) unless you need fp32 accumulation; for it, use "
+                         f"{use}." if gspmd is not None else f"Use {use}.")
+        if best is not None and heavy(best):
+            leaf = self.largest_leaf
+            if leaf is not None and best.bucket_size is not None and leaf[1] >= best.bucket_size:
+                lines.append(f"{best_name} stays {_mib(above(best))} above no_comm: its largest bucket holds "
+                             f"{leaf[0]} ({leaf[1]:,} elements) alone, and no bucket count splits a leaf.")
+            elif best.num_buckets is not None:
+                lines.append(f"{best_name} stays {_mib(above(best))} above no_comm, about one bucket's scratch: more "
+                             f"buckets should lower it (try --num-buckets {2 * best.num_buckets}).")
+        if best is not None and best.pairs:
+            rivals = [(n, p) for n, p in plans.items() if n != best_name and (s := _strategy(n)) is not None
+                      and s.max_in_flight is not None and p.pairs and p.overlapped / p.pairs > best.overlapped / best.pairs]
+            if rivals:
+                n, p = min(rivals, key=lambda kv: kv[1].temp_bytes)
+                lines.append(f"{n} needs {_mib(p.temp_bytes - best.temp_bytes)} more ({_mib(p.temp_bytes)}) but "
+                             f"overlaps {p.overlapped}/{p.pairs} of its collectives with compute against "
+                             f"{best.overlapped}/{best.pairs}: pick it if step time matters more than that memory.")
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        """The table, then the verdict."""
+        return f"{self.table()}\n\n{self.verdict()}"
+
+    def plot(self, path: str) -> None:
+        """Writes a PNG: each strategy's approximate live bytes over its (normalised) schedule."""
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for name, p in self._plans().items():
+            n = max(len(p.live_bytes) - 1, 1)
+            ax.plot([i / n for i in range(len(p.live_bytes))], [b / _MIB for b in p.live_bytes], lw=1,
+                    label=f"{name} (temp {p.temp_bytes / _MIB:,.1f} MiB)")
+        ax.set_xlabel("position in the ENTRY schedule (fraction)")
+        ax.set_ylabel("live MiB per device (approx.)")
+        ax.set_title(f"{self.num_devices}x {self.target}")
+        ax.legend(loc="upper left", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def abstract_tree(tree: Any, what: str = "tree") -> Any:
+    """``tree`` with every leaf as a ``jax.ShapeDtypeStruct``; a clear error for a leaf that is
+    not an array (or a ShapeDtypeStruct) and for an empty tree."""
+    if tree is None:
+        raise ValueError(f"{what} is None; it must be a pytree of arrays or jax.ShapeDtypeStructs")
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise ValueError(f"{what} has no leaves; it must be a pytree of arrays or jax.ShapeDtypeStructs")
+    for path, leaf in leaves:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            where = jax.tree_util.keystr(path) or "the value"
+            raise ValueError(f"{what}: {where} is a {type(leaf).__name__}, not an array or jax.ShapeDtypeStruct")
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tree)
+
+
+def describe_model(params: Any, batch: Any) -> str:
+    """``"2.4M params (4.6 MiB bf16), batch tokens int32[64,129]"``."""
+    leaves = jax.tree.leaves(params)
+    count = sum(math.prod(p.shape) for p in leaves)
+    nbytes = sum(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in leaves)
+    dtypes = "/".join(dict.fromkeys(jnp.dtype(p.dtype).name.replace("bfloat16", "bf16").replace("float", "f")
+                                    for p in leaves))
+    shown = [f"{jax.tree_util.keystr(k).strip('[]').strip(chr(39))} "
+             f"{jnp.dtype(v.dtype).name}[{','.join(map(str, v.shape))}]"
+             for k, v in jax.tree_util.tree_leaves_with_path(batch)]
+    batch_text = ", ".join(shown[:3]) + (f", ... ({len(shown)} arrays)" if len(shown) > 3 else "")
+    return f"{count / 1e6:,.1f}M params ({_mib(nbytes)} {dtypes}), batch {batch_text}"
+
+
+def _per_layer(params: Any, stacked: Any) -> list[jax.ShapeDtypeStruct]:
+    """The leaves one layer's buckets hold: stacked leaves without their layer axis."""
+    return [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(stacked))
+            if s]
+
+
+def plan_model(
+    loss_fn: Callable[[Any, Any], Any],
+    params: Any,
+    batch: Any,
+    strategies: Sequence[str | Strategy] = DEFAULT_STRATEGIES,
+    *,
+    target: str = "h100",
+    topology: str = "1x1x8",
+    num_buckets: int | None = 24,
+    bucket_size: int | None = None,
+    compiler_options: dict[str, Any] | None = None,
+    scan: bool | None = None,
+    name: str = "",
+) -> Comparison:
+    """Compiles ``loss_fn``'s gradient step once per strategy on ``topology`` (data parallel over
+    every GPU) for compile-only ``target`` GPUs and compares them (:class:`Comparison`).
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)``, the per-device mean loss (of this device's part of
+            the batch); differentiable in ``params``.
+        params, batch: global-shape pytrees of arrays or ``jax.ShapeDtypeStruct``; every batch
+            leaf is split along its leading axis over the devices, params are replicated.
+        strategies: names (``gspmd``, ``gspmd+flags``, ``no_comm``, ``MODE[+drain[K]][+split]``);
+            one the runtime cannot build (``+split`` without ``split_leaves``) gets a row saying
+            so instead of numbers.
+        num_buckets, bucket_size: about this many buckets (:func:`bucket_size_for`), or this
+            bucket size in elements.
+        scan: sync scanned leaves inside the backward scan (:class:`jax_drain.ScanGradSync`);
+            ``None``: when the loss scans over some leaves (:func:`jax_drain.stacked_leaves`).
+        name: a label for the table's head.
+    """
+    parsed = [Strategy.parse(s) if isinstance(s, str) else s for s in strategies]
+    if not parsed:
+        raise ValueError("give at least one strategy")
+    params = abstract_tree(params, "params")
+    batch = abstract_tree(batch, "batch")
+    slices, hosts, gpus = parse_topology(topology)
+    n = slices * hosts * gpus
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if not leaf.shape or leaf.shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'} has shape {tuple(leaf.shape)}: its leading "
+                f"dimension must divide over the {n} data-parallel devices")
+    local_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+    try:
+        out = jax.eval_shape(loss_fn, params, local_batch)
+    except Exception as e:
+        raise PlanError(f"could not trace loss_fn(params, batch): {type(e).__name__}: {e}") from e
+    if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+        raise PlanError(f"loss_fn(params, batch) must return a float scalar (the per-device mean loss), "
+                        f"got {getattr(out, 'shape', type(out).__name__)}")
+    try:
+        order = grad_ready_order(loss_fn, params, local_batch)
+        stacked = stacked_leaves(loss_fn, params, local_batch) if scan is not False else None
+    except Exception as e:
+        raise PlanError(f"could not trace jax.grad(loss_fn): {type(e).__name__}: {e}") from e
+    if stacked is not None and not any(jax.tree.leaves(stacked)):
+        if scan:
+            raise ValueError("scan=True, but loss_fn scans over no leaf of params")
+        stacked = None
+    mesh = gpu_mesh((n,), ("data",), target=target, topology=topology)
+    if bucket_size is None:
+        if stacked is None:
+            bucket_size = bucket_size_for(params, num_buckets or 1, n, order)
+        else:  # per layer: the stacked leaves' slices hold the layer chain's buckets
+            layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(stacked)) if s)
+            bucket_size = bucket_size_for(_per_layer(params, stacked), max(1, round((num_buckets or 1) / layers)), n)
+    itemsize = max(jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
+
+    rows = []
+    for strat in parsed:
+        try:
+            step, args, sync = build_user_step(strat, loss_fn, params, batch, mesh, bucket_size=bucket_size,
+                                               order=order, stacked=stacked)
+        except StrategyUnavailable as e:
+            rows.append(Row(strat.name, unavailable=str(e)))
+            continue
+        options = {**strategy_options(strat, bucket_size * itemsize), **(compiler_options or {})}
+        report = plan(step, *args, target=target, topology=topology, compiler_options=options or None,
+                      scope=None if sync is None else SCOPE_PREFIX, strategy=strat.name,
+                      num_buckets=_num_buckets(sync), bucket_size=None if sync is None else bucket_size,
+                      notes=(f"XLA options {options}",) if options else ())
+        rows.append(Row(strat.name, report))
+    model = (f"{name}: " if name else "") + describe_model(params, batch)
+    return Comparison(tuple(rows), target, topology, n, model, largest_leaf(params))
+
+
+def largest_leaf(params: Any) -> tuple[str, int] | None:
+    """(path, elements) of the largest leaf of ``params``."""
+    leaves = [(jax.tree_util.keystr(k), math.prod(v.shape)) for k, v in jax.tree_util.tree_leaves_with_path(params)]
+    return max(leaves, key=lambda kv: kv[1], default=None)
