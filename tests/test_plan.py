@@ -474,6 +474,16 @@ def test_step_without_a_strategy_parameter_refuses_strategy(tmp_path):
     assert code == 2 and out == "" and err.count("\n") == 1 and "no `strategy` parameter" in err
 
 
+def test_jd_plan_is_lazy():
+    done = _python("-c", "import sys, jax_drain as jd\n"
+                   "assert not [m for m in sys.modules if m.startswith('jax_drain.plan')], 'eager'\n"
+                   "p = jd.plan\n"
+                   "assert p is sys.modules['jax_drain.plan'] and callable(p.plan_model) and callable(p.plan)\n"
+                   "try:\n    jd.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok ") and "no_such_name" in done.stdout
+
+
 def _plan(name, temp, pairs=(0, 0), num_buckets=None, bucket_size=None):
     from jax_drain.planner.schedule import Collective
 
