@@ -63,12 +63,3 @@ def __getattr__(name: str):
 
         return importlib.import_module("jax_drain.plan")
     raise AttributeError(f"module 'jax_drain' has no attribute {name!r}")
-
-
-def __getattr__(name: str):
-    # ``jd.plan``: the compile-only planner, imported on first use only (the runtime never loads it).
-    if name == "plan":
-        import importlib
-
-        return importlib.import_module("jax_drain.plan")
-    raise AttributeError(f"module 'jax_drain' has no attribute {name!r}")
