@@ -117,18 +117,22 @@ class BucketChain:
         """``axes`` as collectives take it: one name stays a name."""
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
-    def describe(self) -> dict[str, Any]:
-        """Everything that decides where a parameter element lands in a shard (JSON-able)."""
+    def describe(self, placements: Sequence[LeafPlacement], mesh: Mesh) -> dict[str, Any]:
+        """Everything that decides where a parameter element lands in a shard (JSON-able): per
+        bucket its dtype, padded size and slots ``[path, local shape, dtype, offset, spec,
+        global shape]`` (``spec``: per dimension ``None`` or the mesh axes splitting it)."""
         layout = self.layout
+
+        def slot(j: int) -> list:
+            s, pl = layout.slots[j], placements[self.leaves[j]]
+            spec = [None if e is None else ([e] if isinstance(e, str) else list(e)) for e in pl.spec]
+            return [s.path, list(s.shape), str(s.dtype), s.offset, spec, list(pl.global_shape)]
+
         return {
             "name": self.name, "axes": list(self.axes), "axis_size": self.axis_size,
-            "spec_axes": list(self.spec_axes), "num_layers": self.num_layers,
-            "buckets": [
-                [str(b.dtype), b.padded_size,
-                 [[layout.slots[i].path, list(layout.slots[i].shape), str(layout.slots[i].dtype),
-                   layout.slots[i].offset] for i in b.leaves]]
-                for b in layout.buckets
-            ],
+            "spec_axes": list(self.spec_axes), "spec_sizes": [int(mesh.shape[a]) for a in self.spec_axes],
+            "num_layers": self.num_layers,
+            "buckets": [[str(b.dtype), b.padded_size, [slot(j) for j in b.leaves]] for b in layout.buckets],
         }
 
     # -- buckets ----------------------------------------------------------------------------
@@ -337,14 +341,19 @@ class ChainedSync:
         return self.pack_shards([chain.shard_spec for chain, _ in self.flat_chains])
 
     @property
+    def description(self) -> list[dict[str, Any]]:
+        """Every chain's :meth:`BucketChain.describe`, flat order: enough to move shards laid
+        out by this sync to and from per-parameter arrays (:func:`host_to_params`)."""
+        return [chain.describe(self.placements, self.mesh) for chain in self.chains]
+
+    @property
     def fingerprint(self) -> str:
-        """A short hash of the chains' layouts: leaf paths, shapes, dtypes, offsets, axis sizes.
+        """A short hash of :attr:`description`: leaf paths, shapes, specs, offsets, axis sizes.
 
         Equal fingerprints put every parameter element at the same place in the same shard, so
         optimizer states built for them are interchangeable.
         """
-        description = [chain.describe() for chain in self.chains]
-        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+        return description_fingerprint(self.description)
 
     def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True, local: bool = False) -> list:
         """Returns ``tree``'s leaves after checking its structure, shapes (global, or the
@@ -498,6 +507,82 @@ class ChainedSync:
 #: (``jax_drain/gather/expert/bucket{k}``, ``jax_drain/gather/layers/bucket{k}`` for the other
 #: chains), distinct from the reduce-scatter's so schedule checks can tell them apart.
 GATHER_SCOPE = f"{SCOPE_PREFIX}/gather"
+
+
+def description_fingerprint(description: list[dict[str, Any]]) -> str:
+    """The short hash that names a :attr:`ChainedSync.description`."""
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _spec_ranks(chain: dict[str, Any]) -> list[dict[str, int]]:
+    """Each rank along a described chain's spec axes, major first: ``{axis: coordinate}``."""
+    sizes = chain["spec_sizes"]
+    return [dict(zip(chain["spec_axes"], np.unravel_index(r, sizes))) if sizes else {}
+            for r in range(math.prod(sizes))]
+
+
+def _block(spec: list, local_shape: Sequence[int], coords: dict[str, int], sizes: dict[str, int]) -> tuple:
+    """The global-array index of one rank's local block of a parameter."""
+    index = []
+    for entry, size in zip(spec + [None] * (len(local_shape) - len(spec)), local_shape):
+        if entry is None:
+            index.append(slice(None))
+            continue
+        k = 0
+        for axis in entry:  # the entry's axes split the dimension, first major
+            k = k * sizes[axis] + int(coords[axis])
+        index.append(slice(k * size, (k + 1) * size))
+    return tuple(index)
+
+
+def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-parameter global arrays (by path) from global shard arrays laid out as ``description``
+    says (flat order), on the host: how a checkpoint's optimizer state moves to another layout.
+
+    A global shard array holds, for each rank along the chain's spec axes (major first), that
+    rank's whole padded bucket; a layer chain's has the layers first.
+    """
+    out: dict[str, np.ndarray] = {}
+    i = 0
+    for chain in description:
+        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
+        rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
+        for _, padded, slots in chain["buckets"]:
+            whole = np.asarray(buckets[i])
+            i += 1
+            for r, coords in enumerate(_spec_ranks(chain)):
+                local = whole[..., r * padded:(r + 1) * padded]
+                for path, shape, _, offset, spec, global_shape in slots:
+                    size = math.prod(shape)
+                    block = local[..., offset:offset + size].reshape(*rows, *shape)
+                    array = out.setdefault(path, np.zeros(global_shape, whole.dtype))
+                    array[_block(spec, [*rows, *shape], coords, sizes)] = block
+    if i != len(buckets):
+        raise ValueError(f"the description has {i} buckets, got {len(buckets)} arrays")
+    return out
+
+
+def host_from_params(
+    description: list[dict[str, Any]], params: dict[str, np.ndarray], dtype: Any
+) -> list[np.ndarray]:
+    """Inverse of :func:`host_to_params`: global shard arrays (flat order, padding zero) in
+    ``dtype`` for the layout ``description`` says, from per-parameter arrays by path."""
+    out = []
+    for chain in description:
+        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
+        rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
+        ranks = _spec_ranks(chain)
+        for _, padded, slots in chain["buckets"]:
+            whole = np.zeros((*rows, len(ranks) * padded), dtype)
+            for r, coords in enumerate(ranks):
+                for path, shape, _, offset, spec, _ in slots:
+                    if path not in params:
+                        raise KeyError(f"no array for parameter {path!r}")
+                    block = params[path][_block(spec, [*rows, *shape], coords, sizes)]
+                    start = r * padded + offset
+                    whole[..., start:start + math.prod(shape)] = block.reshape(*rows, -1)
+            out.append(whole)
+    return out
 
 
 def check_microbatches(k: Any) -> int:

@@ -1,22 +1,35 @@
-"""Orbax checkpoints of a train state (replicated params + sharded optimizer state).
+"""Orbax checkpoints of a train state you can trust and move.
 
 A checkpoint directory holds one orbax step directory per saved step. Each stores the state's
-arrays (each with its sharding: optimizer shards are written and read shard by shard) and a JSON
-description: every leaf's path, shape and dtype plus the bucket-layout fingerprint of each
-:class:`~jax_drain.optimizer.DistState` in it. Restoring compares that description with the
-target state *before* reading any array, so a checkpoint of another model, bucket size or
-data-axis size gives an error that says what differs; saving into a directory that holds
-another model's checkpoints, or over an existing step, is refused before anything is written.
+arrays, one directory per array (``<step>/state/<key>/``; optimizer shards written and read
+shard by shard), and a JSON description: every leaf's path, shape and dtype, a SHA-256 checksum
+of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistState` in it.
+
+* **Integrity**: restoring verifies every array's checksum; a corrupted array file is refused
+  with an error naming the array and its directory. Without ``step=`` the newest *intact* step
+  is restored (damaged newer steps are skipped with a warning).
+* **Moving**: a checkpoint restores into a step built for another data-axis size, bucket size
+  or mesh: the optimizer shards are re-laid on the host through per-parameter arrays (the
+  layouts in both descriptions say where every element is), then placed with the target's
+  shardings. Parameters and other state restore into any sharding.
+* **Atomic and asynchronous**: orbax writes a step into a temporary directory and renames it
+  when complete, so a kill at any moment leaves the previous steps restorable;
+  :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
+  next step may donate them) and writes in the background.
+
+A checkpoint of another model (other parameter paths or shapes) is refused before any array is
+read, saying what differs; saving into a directory that holds another model's checkpoints, or
+over an existing step, is refused before anything is written.
 
 Example::
 
-    step = jd.make_train_step(model, loss_fn, tx, mesh, config)
+    step = jd.make_train_step(model, loss_fn, tx, mesh, config, example_batch=batch)
     state = step.init()
     ...
     jd.save_checkpoint("/ckpt/run1", state, extra={"data_position": 1234})
 
-    # later, in a fresh process:
-    step = jd.make_train_step(model, loss_fn, tx, mesh, config)
+    # later, in a fresh process, maybe on another mesh or bucket size:
+    step = jd.make_train_step(model, loss_fn, tx, other_mesh, other_config, example_batch=batch)
     state, extra = jd.restore_checkpoint("/ckpt/run1", step.abstract_state())
 """
 
@@ -27,19 +40,23 @@ import json
 import os
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from jax_drain.chain import host_from_params, host_to_params
 from jax_drain.layout import leaf_paths
 from jax_drain.optimizer import DistState
 
 PyTree = Any
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _STATE, _META = "state", "jax_drain"
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
+# One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
+_SHARD = re.compile(r"^(.*/(?:master|shards))/(\d+)$")
 
 
 class CheckpointMismatchError(ValueError):
@@ -47,14 +64,17 @@ class CheckpointMismatchError(ValueError):
 
 
 class CheckpointCorruptError(CheckpointMismatchError):
-    """A checkpoint step's description is missing, truncated or not what jax_drain writes."""
+    """A checkpoint step is damaged: its description or an array file is unreadable or does
+    not match its checksum."""
 
 
 def state_description(state: PyTree) -> dict[str, Any]:
     """What a checkpoint records about ``state`` besides the arrays (JSON-serialisable).
 
-    ``leaves``: ``[key, path, shape, dtype]`` per leaf (``jax.tree.leaves`` order);
-    ``layouts``: the fingerprints of the ``DistState``s in it; ``fingerprint``: a hash of both.
+    ``leaves``: ``[key, path, shape, dtype]`` per leaf (``jax.tree.leaves`` order); ``layouts``:
+    per ``DistState``, its path in the state, layout fingerprint and description;
+    ``fingerprint``: a hash of the leaves outside the ``DistState``s and the layouts. Leaves
+    inside a ``DistState`` are described by its layout (their number depends on it).
     """
     paths = leaf_paths(state)
     leaves = jax.tree.leaves(state)
@@ -63,11 +83,10 @@ def state_description(state: PyTree) -> dict[str, Any]:
         [key, path, list(np.shape(x)), str(np.dtype(x.dtype))] for key, path, x in zip(keys, paths, leaves)
     ]
     layouts = [
-        s.fingerprint
-        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, DistState))
-        if isinstance(s, DistState)
+        {"path": path, "fingerprint": s.layout.fingerprint, "description": s.layout.description}
+        for path, s in _dist_states(state)
     ]
-    digest = hashlib.sha256(json.dumps([described, layouts]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps([described, [x["fingerprint"] for x in layouts]]).encode()).hexdigest()[:16]
     return {"format": FORMAT_VERSION, "fingerprint": digest, "layouts": layouts, "leaves": described}
 
 
@@ -98,6 +117,47 @@ def save_checkpoint(
         CheckpointMismatchError: ``directory`` holds checkpoints of a different state layout.
         FileExistsError: step ``step`` is already saved. Nothing is written in either case.
     """
+    return save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep).wait()
+
+
+class PendingSave:
+    """A checkpoint being written in the background by :func:`save_checkpoint_async`."""
+
+    def __init__(self, manager: Any, path: pathlib.Path):
+        self._manager, self.path = manager, path
+
+    def wait(self) -> pathlib.Path:
+        """Blocks until the step is on disk (renamed into place); returns its directory."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+        return self.path
+
+    def done(self) -> bool:
+        return self._manager is None or not self._manager.is_saving_in_progress()
+
+
+def save_checkpoint_async(
+    directory: str | os.PathLike,
+    state: PyTree,
+    *,
+    step: int | None = None,
+    extra: dict[str, Any] | None = None,
+    max_to_keep: int | None = None,
+) -> PendingSave:
+    """:func:`save_checkpoint` that returns once the arrays are copied to the host.
+
+    The next training steps may run (and donate ``state``) while the files are written; call
+    ``.wait()`` on the result before the next save and before the process exits. The step
+    appears in ``directory`` only when complete: a kill in between leaves the earlier steps.
+
+    Example::
+
+        pending = jd.save_checkpoint_async("/ckpt/run1", state)
+        state, metrics = step(state, batch)      # runs while the checkpoint is written
+        pending.wait()
+    """
     directory = pathlib.Path(directory).absolute()
     if step is None:
         if not hasattr(state, "step"):
@@ -107,12 +167,12 @@ def save_checkpoint(
     description = state_description(state)
     existing = _steps(directory)
     if existing:
+        # Another bucket layout or mesh is fine (a run resumed elsewhere); another model is not.
         saved = _read_description(directory, existing[-1])
-        if saved["fingerprint"] != description["fingerprint"]:
+        if not _same_model(saved, description):
             raise CheckpointMismatchError(
-                f"{directory} holds checkpoints of a different model or layout (step "
-                f"{existing[-1]}): {_differences(saved, description)}. Nothing was written; save "
-                "this run to a new directory."
+                f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
+                f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
             )
     if step in existing:
         raise FileExistsError(
@@ -122,30 +182,29 @@ def save_checkpoint(
     json.dumps(extra or {})  # fail before writing anything if extra is not JSON-serialisable
     keys = [leaf[0] for leaf in description["leaves"]]
     arrays = dict(zip(keys, jax.tree.leaves(state)))
-    meta = {**description, "step": step, "extra": extra or {}}
+    checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
+    meta = {**description, "step": step, "extra": extra or {}, "checksums": checksums}
     ocp = _orbax()
-    options = ocp.CheckpointManagerOptions(
-        create=True, max_to_keep=max_to_keep, enable_async_checkpointing=False
-    )
-    with ocp.CheckpointManager(directory, options=options) as manager:
-        manager.save(step, args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
-        }))
-        manager.wait_until_finished()
-    return directory / str(step)
+    options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
+    manager.save(step, args=ocp.args.Composite(**{
+        _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
+    }))
+    return PendingSave(manager, directory / str(step))
 
 
 def restore_checkpoint(
     directory: str | os.PathLike, target: PyTree, *, step: int | None = None
 ) -> tuple[PyTree, dict[str, Any]]:
-    """Restores step ``step`` (default: the latest) of ``directory`` into ``target``'s layout.
+    """Restores step ``step`` (default: the newest intact one) of ``directory`` into ``target``.
 
     Args:
         directory: a directory written by :func:`save_checkpoint`.
         target: the state to restore into: arrays or ``jax.ShapeDtypeStruct``s *with shardings*,
-            e.g. ``train_step.abstract_state()``. Only structure, shapes, dtypes and shardings
-            are read; ``target`` itself is not modified.
-        step: which saved step; ``None`` for the newest.
+            e.g. ``train_step.abstract_state()``: the same model, on any mesh and bucket layout.
+            Only structure, shapes, dtypes, shardings and layouts are read.
+        step: which saved step; ``None`` for the newest step that is intact (a damaged newer
+            step is skipped with a warning).
 
     Returns:
         ``(state, extra)``: the restored state (``target``'s tree, arrays placed with
@@ -153,42 +212,159 @@ def restore_checkpoint(
 
     Raises:
         FileNotFoundError: no such checkpoint.
-        CheckpointMismatchError: the checkpoint was saved from a different model or layout.
+        CheckpointMismatchError: the checkpoint was saved from a different model.
+        CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged.
     """
     directory = pathlib.Path(directory).absolute()
     steps = _steps(directory)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
-    step = steps[-1] if step is None else int(step)
-    if step not in steps:
-        raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}")
+    if step is not None:
+        if int(step) not in steps:
+            raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}")
+        return _restore_step(directory, int(step), target)
+    damaged = []
+    for candidate in reversed(steps):
+        try:
+            return _restore_step(directory, candidate, target)
+        except CheckpointCorruptError as e:
+            damaged.append(str(e))
+            warnings.warn(f"{e} Trying the previous step.", stacklevel=2)
+    raise CheckpointCorruptError(f"every step in {directory} is damaged:\n" + "\n".join(damaged))
+
+
+# -- internals ----------------------------------------------------------------------------------
+
+
+def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
     saved = _read_description(directory, step)
     wanted = state_description(target)
-    if saved["fingerprint"] != wanted["fingerprint"]:
-        raise CheckpointMismatchError(
-            f"checkpoint {directory / str(step)} does not match the target state: "
-            f"{_differences(saved, wanted)}. Restore it with the model, bucket_size and mesh it "
-            "was saved with."
-        )
     leaves, treedef = jax.tree.flatten(target)
-    abstract = {}
-    for (key, path, _, _), leaf in zip(wanted["leaves"], leaves):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
+    for (_, path, _, _), leaf in zip(wanted["leaves"], leaves):
+        if getattr(leaf, "sharding", None) is None:
             raise ValueError(
                 f"target leaf {path!r} has no sharding; pass arrays or ShapeDtypeStructs with "
                 "shardings, e.g. train_step.abstract_state()"
             )
-        abstract[key] = jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+    if saved["fingerprint"] == wanted["fingerprint"]:
+        abstract = {
+            key: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=leaf.sharding)
+            for (key, *_), leaf in zip(wanted["leaves"], leaves)
+        }
+        arrays = _read_arrays(directory, step, abstract, saved)
+        state = jax.tree.unflatten(treedef, [arrays[key] for key, *_ in wanted["leaves"]])
+        return state, saved.get("extra", {})
+    _check_movable(directory, step, saved, wanted)
+    host = {key: np.zeros(shape, dtype) for key, _, shape, dtype in saved["leaves"]}
+    arrays = _read_arrays(directory, step, host, saved)
+    by_path = {path: arrays[key] for key, path, *_ in saved["leaves"]}
+    by_path.update(_relaid(saved, wanted, by_path))
+    state = [
+        jax.device_put(np.asarray(by_path[path], dtype=leaf.dtype), leaf.sharding)
+        for (_, path, _, _), leaf in zip(wanted["leaves"], leaves)
+    ]
+    return jax.tree.unflatten(treedef, state), saved.get("extra", {})
+
+
+def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any]) -> dict:
+    """The arrays of ``abstract``'s keys, each checked against its saved checksum."""
     ocp = _orbax()
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
-        restored = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))
-    arrays = restored[_STATE]
-    state = jax.tree.unflatten(treedef, [arrays[key] for key, *_ in wanted["leaves"]])
-    return state, saved.get("extra", {})
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp)) as manager:
+        try:
+            arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
+        except Exception:  # noqa: BLE001 - find which array file is unreadable
+            arrays = {}
+            for key, value in abstract.items():
+                try:
+                    one = manager.restore(step, args=ocp.args.Composite(**{
+                        _STATE: ocp.args.PyTreeRestore({key: value}, partial_restore=True)}))[_STATE]
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"unreadable ({type(e).__name__})")) from e
+                arrays[key] = one[key]
+    checksums = saved.get("checksums", {})
+    for key, array in arrays.items():
+        if checksums.get(key) != _checksum(jax.device_get(array)):
+            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, "does not match its checksum"))
+    return arrays
 
 
-# -- internals ----------------------------------------------------------------------------------
+def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str) -> str:
+    path = next((p for k, p, *_ in saved["leaves"] if k == key), key)
+    return (f"checkpoint step {directory / str(step)}: array {path!r} (file {directory / str(step) / _STATE / key}) "
+            f"{what}; the file was damaged after saving.")
+
+
+def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The target's DistState shard arrays (by path), re-laid from the saved ones."""
+    out: dict[str, np.ndarray] = {}
+    sources, targets = _shard_sets(saved), _shard_sets(wanted)
+    for old, new in zip(saved["layouts"], wanted["layouts"]):
+        old_description, new_description = json.loads(old["description"]), json.loads(new["description"])
+        for name, paths in targets.items():
+            if name.startswith(new["path"] + "/"):
+                params = host_to_params(old_description, [arrays[p] for p in sources[name]])
+                out.update(zip(paths, host_from_params(new_description, params, arrays[sources[name][0]].dtype)))
+    return out
+
+
+def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
+    """The paths of each DistState shard set (its master shards, each FlatShards node of its tx
+    state), in flat (bucket) order."""
+    prefixes = tuple(layout["path"] + "/" for layout in description["layouts"])
+    sets: dict[str, dict[int, str]] = {}
+    for _, path, *_ in description["leaves"]:
+        match = _SHARD.match(path)
+        if match and path.startswith(prefixes):
+            sets.setdefault(match.group(1), {})[int(match.group(2))] = path
+    return {name: [members[i] for i in sorted(members)] for name, members in sets.items()}
+
+
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two state descriptions differ at most in their DistStates' layouts: every other
+    leaf has the same path, shape and dtype, and the shard sets are the same."""
+    def plain(description: dict[str, Any]) -> dict[str, tuple]:
+        shards = {p for paths in _shard_sets(description).values() for p in paths}
+        return {path: (tuple(shape), dtype) for _, path, shape, dtype in description["leaves"] if path not in shards}
+
+    return (plain(a) == plain(b) and _shard_sets(a).keys() == _shard_sets(b).keys()
+            and [x["path"] for x in a["layouts"]] == [x["path"] for x in b["layouts"]])
+
+
+def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """Only the DistStates' layouts may differ: every other leaf must match path, shape, dtype."""
+    if not _same_model(saved, wanted):
+        raise CheckpointMismatchError(
+            f"checkpoint {directory / str(step)} does not match the target state: "
+            f"{_differences(saved, wanted)}. Restore it with the model (and optimizer) it was saved with."
+        )
+
+
+def _dist_states(state: PyTree) -> list[tuple[str, DistState]]:
+    """Each DistState in ``state`` with its path (as :func:`~jax_drain.layout.leaf_paths` writes it)."""
+    found, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, DistState))
+    out = []
+    for path, node in found:
+        if isinstance(node, DistState):
+            out.append(("/".join(_key(k) for k in path), node))
+    return out
+
+
+def _key(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _checksum(array: Any) -> str:
+    array = np.ascontiguousarray(np.asarray(array))
+    return hashlib.sha256(str(array.dtype).encode() + str(array.shape).encode() + array.tobytes()).hexdigest()
+
+
+def _handlers(ocp: Any) -> dict[str, Any]:
+    # One directory per array (no OCDBT aggregation), so a damaged file names its array.
+    return {_STATE: ocp.StandardCheckpointHandler(use_ocdbt=False), _META: ocp.JsonCheckpointHandler()}
 
 
 def _orbax():
@@ -208,7 +384,8 @@ def _steps(directory: pathlib.Path) -> list[int]:
 
 def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
     ocp = _orbax()
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp)) as manager:
         try:
             meta = manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
         except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, FileNotFoundError
@@ -264,9 +441,11 @@ def _differences(saved: dict[str, Any], wanted: dict[str, Any], limit: int = 6) 
             notes.append(f"{path!r} is {d1}{s1} in the checkpoint, {d2}{s2} here")
             if len(notes) >= limit:
                 break
-    if saved["layouts"] != wanted["layouts"]:
+    have_layouts = [x["fingerprint"] for x in saved["layouts"]]
+    want_layouts = [x["fingerprint"] for x in wanted["layouts"]]
+    if have_layouts != want_layouts:
         notes.append(
-            f"bucket layout fingerprints differ (checkpoint {saved['layouts']}, here "
-            f"{wanted['layouts']}): another bucket_size, bucket order or data-axis size"
+            f"bucket layout fingerprints differ (checkpoint {have_layouts}, here {want_layouts}): "
+            "another bucket_size, bucket order or mesh"
         )
     return "; ".join(notes) or "the state structures differ"

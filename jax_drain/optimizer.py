@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -85,7 +86,20 @@ PyTree = Any
 Mask = PyTree | Callable[[PyTree], PyTree]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("master", "inner"), meta_fields=("fingerprint",))
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Where every parameter element sits in a :class:`DistState`'s shards: the sync's
+    :attr:`~jax_drain.chain.ChainedSync.description` (JSON text) and its fingerprint."""
+
+    fingerprint: str
+    description: str
+
+    @classmethod
+    def of(cls, sync: ChainedSync) -> "StateLayout":
+        return cls(sync.fingerprint, json.dumps(sync.description, sort_keys=True))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("master", "inner"), meta_fields=("layout",))
 @dataclasses.dataclass(frozen=True)
 class DistState:
     """A :class:`DistributedOptimizer`'s state; a pytree.
@@ -94,14 +108,18 @@ class DistState:
     in turn, buckets in dispatch order); inside ``shard_map`` this device's shard (``[num_layers,
     size]`` for a scanned stack's layer bucket), outside the whole padded bucket sharded like the
     gradient shards. ``inner``: ``tx``'s state on the :class:`FlatShards` of the master shards.
-    ``fingerprint``: static pytree metadata naming the bucket layout the shards belong to, so a
-    state built for another model, bucket size or mesh is refused instead of silently
-    mis-applied.
+    ``layout``: static pytree metadata (:class:`StateLayout`) naming the bucket layout the shards
+    belong to, so a state built for another model, bucket size or mesh is refused instead of
+    silently mis-applied, and a checkpoint can move it to another layout.
     """
 
     master: tuple[jax.Array, ...]
     inner: PyTree
-    fingerprint: str
+    layout: StateLayout
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout.fingerprint
 
 
 class UpdateReport(NamedTuple):
@@ -340,28 +358,31 @@ def adamw(
 
 _CHECK_AXIS = "jax_drain_check"  # the simulated devices' axis name
 _CHECK_DEVICES = 2
-_CHECK_STEPS = 3
+_CHECK_SCALES = (1e-2, 1.0, 1e2, 1e4)  # one gradient scale per step: clip thresholds get crossed
 
 
 def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> None:
     """Raises ``ValueError`` if ``tx`` gives a different result on flat shards than on the tree.
 
     Runs ``tx`` for a few steps on a shrunken copy of ``params`` (same paths and ndim, every
-    dimension at most 2, random float32 values) both ways: on the tree, and on the flat shards
-    of a small bucket layout split over two simulated devices (``jax.vmap`` with an axis name).
+    dimension at most 2, random float32 values, gradients of very different scales so that
+    thresholds such as a clip's are crossed) both ways: on the tree, and on the flat shards of a
+    small bucket layout split over two simulated devices (``jax.vmap`` with an axis name); each
+    step's updates must agree leaf by leaf, relative to that leaf's largest update.
     """
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 2) for d in np.shape(x)), jnp.float32),
                             params)
     rng = np.random.default_rng(0)
-    make = lambda: jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(size=s.shape) * rng.uniform(0.5, 2.0), jnp.float32), abstract)
-    start, grads = make(), [make() for _ in range(_CHECK_STEPS)]
+    make = lambda scale: jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), jnp.float32), abstract)
+    start, grads = make(1.0), [make(scale) for scale in _CHECK_SCALES]
 
     try:
-        state, tree = tx.init(start), start
+        state, tree, tree_updates = tx.init(start), start, []
         for g in grads:
             updates, state = tx.update(g, state, tree)
             tree = optax.apply_updates(tree, updates)
+            tree_updates.append(updates)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
@@ -372,29 +393,32 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
     refs = tuple((chain, k) for k in range(layout.num_buckets))
     view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False)
 
-    def one_device(rank: jax.Array) -> tuple[jax.Array, ...]:
+    def one_device(rank: jax.Array) -> list[tuple[jax.Array, ...]]:
         mine = lambda tree: tuple(chain.shard(b, k) for k, b in enumerate(layout.flatten(tree)))
         master = FlatShards(mine(start), view)
-        state = tx.init(master)
+        state, steps = tx.init(master), []
         for g in grads:
             updates, state = tx.update(FlatShards(mine(g), view), state, master)
             master = optax.apply_updates(master, updates)
-        return master.shards
+            steps.append(updates.shards)
+        return steps
 
     try:
         per_device = jax.vmap(one_device, axis_name=_CHECK_AXIS)(jnp.arange(_CHECK_DEVICES))
-        flat = layout.unflatten(tuple(s.reshape(-1) for s in per_device))
+        flat_updates = [layout.unflatten(tuple(s.reshape(-1) for s in step)) for step in per_device]
     except Exception as e:  # noqa: BLE001 - any failure on flat shards means tx cannot run there
-        raise ValueError(_transform_hint(f"tx fails on flat shards ({type(e).__name__}: {e})")) from e
-    for path, want, got in zip(leaf_paths(abstract), jax.tree.leaves(tree), jax.tree.leaves(flat)):
-        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
-        if not np.allclose(got, want, rtol=rtol, atol=rtol * (np.abs(want).max() + 1e-6)):
-            raise ValueError(_transform_hint(
-                f"tx gives a different result on flat shards than on the parameter tree (leaf {path!r}: "
-                f"{got.ravel()[:4]} vs {want.ravel()[:4]} after {_CHECK_STEPS} steps on a shrunken copy)"))
+        raise ValueError(_transform_hint("tx fails on flat shards", f"{type(e).__name__}: {e}")) from e
+    for step, (want_tree, got_tree) in enumerate(zip(tree_updates, flat_updates)):
+        for path, want, got in zip(leaf_paths(abstract), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
+            want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+            if np.max(np.abs(got - want), initial=0.0) > rtol * np.max(np.abs(want), initial=0.0) + 1e-30:
+                raise ValueError(_transform_hint(
+                    "tx gives a different result on flat shards than on the parameter tree",
+                    f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
+                    f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
 
 
-def _transform_hint(what: str) -> str:
+def _transform_hint(what: str, details: str) -> str:
     return (
         f"{what}. Under a DistributedOptimizer tx sees FlatShards (this device's float32 bucket "
         "shards), not the parameter tree: masks or labels over the tree (optax.masked, "
@@ -402,7 +426,7 @@ def _transform_hint(what: str) -> str:
         "(optax.clip_by_global_norm) would silently change training. Use jax_drain.masked(inner, "
         "mask), jax_drain.adamw(..., mask=...) and jax_drain.clip_by_global_norm(max_norm) "
         "instead; other per-leaf transforms (lamb, lars, adafactor, scale_by_trust_ratio) are not "
-        "supported. check_tx=False skips this check."
+        f"supported. DistributedOptimizer(check_tx=False) skips this check. ({details})"
     )
 
 
@@ -447,7 +471,8 @@ class DistributedOptimizer:
         elif isinstance(gather_max_in_flight, str):
             raise ValueError(f"gather_max_in_flight must be 'sync', an int >= 1 or None, got {gather_max_in_flight!r}")
         self.gather_max_in_flight = check_max_in_flight(gather_max_in_flight)
-        self.fingerprint = sync.fingerprint
+        self.layout = StateLayout.of(sync)
+        self.fingerprint = self.layout.fingerprint
         self._refs = sync.flat_chains
         self._view = FlatView(self.fingerprint, self._refs, sync.abstract_params, tuple(sync.mesh.axis_names))
         if check_tx:
@@ -464,7 +489,7 @@ class DistributedOptimizer:
         """This device's state from ``params`` (replicated, or local blocks); call inside
         ``jax.shard_map``. Master shards are this device's slices of the float32-cast buckets."""
         master = self.sync.flat_shards(self.sync.init_master(params))
-        return DistState(master, self.tx.init(FlatShards(master, self._view)), self.fingerprint)
+        return DistState(master, self.tx.init(FlatShards(master, self._view)), self.layout)
 
     def update(self, grads: Any, state: DistState) -> tuple[PyTree, DistState]:
         """One optimizer step on this device's shards; call inside ``jax.shard_map``.
@@ -516,7 +541,7 @@ class DistributedOptimizer:
             master = tuple(keep(o, n) for o, n in zip(state.master, master))
             inner = jax.tree.map(keep, state.inner, inner)
         report = UpdateReport(grad_norm, nonfinite, skip)
-        return self.gather_params(master), DistState(master, inner, self.fingerprint), report
+        return self.gather_params(master), DistState(master, inner, self.layout), report
 
     def _nonfinite_buckets(self, grads: Sequence[jax.Array]) -> jax.Array:
         """How many buckets hold a non-finite gradient element on some device (int32)."""
@@ -563,7 +588,7 @@ class DistributedOptimizer:
             spec = P(*([None] * (len(leaf.shape) - 1)), split)
             shape = (*leaf.shape[:-1], leaf.shape[-1] * chain.axis_size * chain.spec_size)
             inner.append(jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=NamedSharding(mesh, spec)))
-        return DistState(master, jax.tree.unflatten(treedef, inner), self.fingerprint)
+        return DistState(master, jax.tree.unflatten(treedef, inner), self.layout)
 
     def state_specs(self) -> DistState:
         """``PartitionSpec``s of the state, for ``shard_map``'s ``in_specs``/``out_specs``."""

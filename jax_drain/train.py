@@ -495,7 +495,7 @@ def make_train_step(
             key_data, other = state
             keys = [jax.random.wrap_key_data(d, impl=impl) for d, impl in zip(jax.tree.leaves(key_data), impls)]
             if device is not None:  # a dropout mask of its own on every data-parallel device
-                keys = [jax.random.fold_in(k, device) for k in keys]
+                keys = [_fold_in(k, device) for k in keys]
             merged = nnx.merge(graphdef, p, jax.tree.unflatten(jax.tree.structure(key_data), keys), other)
             out = loss_fn(merged, batch)
             *_, new_other = nnx.split(merged, nnx.Param, nnx.RngKey, ...)
@@ -508,6 +508,12 @@ def make_train_step(
         return loss_fn(p, batch), state
 
     return TrainStep(model, plain_loss, None, tx, mesh, config, example_batch, None)
+
+
+def _fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
+    """``jax.random.fold_in`` for a key array of any shape (a scanned stack splits its keys)."""
+    flat = keys.reshape(-1)
+    return jax.vmap(lambda k: jax.random.fold_in(k, data))(flat).reshape(keys.shape)
 
 
 def _model_state(model: nnx.Module) -> PyTree:

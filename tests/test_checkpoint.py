@@ -94,15 +94,12 @@ def test_mismatches_are_refused_and_nothing_is_written(run, tmp_path):
     wider = _fresh_step(dataclasses.replace(CONFIG, d_model=48))
     with pytest.raises(jd.CheckpointMismatchError, match=r"'params/blocks/0/attn/out/kernel' is bfloat16\[32, 32\] in the checkpoint, bfloat16\[48, 48\] here"):
         jd.restore_checkpoint(directory, wider.abstract_state())
-    rebucketed = _fresh_step(bucket_size=700)
-    with pytest.raises(jd.CheckpointMismatchError, match="bucket layout fingerprints differ"):
-        jd.restore_checkpoint(directory, rebucketed.abstract_state())
     deeper = _fresh_step(dataclasses.replace(CONFIG, num_layers=2))
     with pytest.raises(jd.CheckpointMismatchError, match="leaves missing from the checkpoint"):
         jd.restore_checkpoint(directory, deeper.abstract_state())
 
-    with pytest.raises(jd.CheckpointMismatchError, match="different model or layout.*Nothing was written"):
-        jd.save_checkpoint(directory, rebucketed.init())
+    with pytest.raises(jd.CheckpointMismatchError, match="different model.*Nothing was written"):
+        jd.save_checkpoint(directory, wider.init())
     state, _ = jd.restore_checkpoint(directory, step.abstract_state())
     with pytest.raises(FileExistsError, match="already has step 2; nothing was overwritten"):
         jd.save_checkpoint(directory, state)

@@ -17,7 +17,7 @@ import pytest
 
 import jax_drain as jd
 from conftest import data_mesh
-from jax_drain.checkpoint import CheckpointCorruptError
+from jax_drain.checkpoint import FORMAT_VERSION, CheckpointCorruptError
 from jax_drain.layout import BucketLayout, check_bucket_size
 from jax_drain.mesh import place_leaves
 from jax_drain.testing import multiprocess as worker
@@ -147,7 +147,7 @@ DAMAGE = {
     "empty": lambda f: f.write_text(""),
     "garbage": lambda f: f.write_bytes(b"\x00\xff\xfe not json"),
     "not_a_dict": lambda f: f.write_text("[1, 2]"),
-    "fields_missing": lambda f: f.write_text(json.dumps({"format": 2, "step": 2})),
+    "fields_missing": lambda f: f.write_text(json.dumps({"format": FORMAT_VERSION, "step": 2})),
     "leaves_mangled": lambda f: f.write_text(json.dumps({**json.loads(f.read_text()), "leaves": [["w"]]})),
     "deleted": lambda f: f.unlink(),
 }
@@ -164,8 +164,12 @@ def test_damaged_checkpoint_description_names_the_step_and_file(damage, saved, t
                 rf"{re.escape(str(metadata))} is unreadable \(.+\); .*Restore another step \(step=\.\.\., "
                 r"saved: \[1\]\)")
     with pytest.raises(jd.CheckpointMismatchError, match=expected) as info:
-        jd.restore_checkpoint(directory, saved[1])
+        jd.restore_checkpoint(directory, saved[1], step=2)
     assert isinstance(info.value, CheckpointCorruptError)
+    # The newest intact step is what a restore without step= falls back to, with a warning.
+    with pytest.warns(UserWarning, match=expected):
+        state, _ = jd.restore_checkpoint(directory, saved[1])
+    np.testing.assert_array_equal(state["w"], saved[1]["w"])
     # Saving next to it is refused the same way, before anything is written.
     before = sorted(p.name for p in directory.iterdir())
     with pytest.raises(CheckpointCorruptError, match=re.escape(str(metadata))):
@@ -182,7 +186,8 @@ def test_damaged_only_step_says_so(saved, tmp_path):
     shutil.rmtree(directory / "1")
     (directory / "2" / "jax_drain" / "metadata").write_text("{")
     with pytest.raises(CheckpointCorruptError, match=r"No other step is saved in .*; remove that step directory"):
-        jd.restore_checkpoint(directory, saved[1])
+        with pytest.warns(UserWarning, match="Trying the previous step"):
+            jd.restore_checkpoint(directory, saved[1])
 
 
 # -- a multi-process worker whose peer never comes or dies -------------------------------------------
