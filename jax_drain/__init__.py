@@ -6,7 +6,9 @@ time" (Megatron-LM PR #4940). See README.md for a tour and BUILD.md for the arch
 """
 
 from jax_drain.chain import BucketChain
-from jax_drain.checkpoint import CheckpointCorruptError, CheckpointMismatchError, restore_checkpoint, save_checkpoint
+from jax_drain.checkpoint import (
+    CheckpointCorruptError, CheckpointMismatchError, latest_step, restore_checkpoint, save_checkpoint, save_checkpoint_async,
+)
 from jax_drain.collectives import REDUCE_MODES, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import Bucket, BucketLayout, LeafSlot
@@ -45,12 +47,14 @@ __all__ = [
     "clip_by_global_norm",
     "global_norm",
     "grad_ready_order",
+    "latest_step",
     "local_params",
     "make_train_step",
     "masked",
     "reduce_scatter_bucket",
     "restore_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_async",
     "sequenced_map",
     "stacked_leaves",
 ]

@@ -1,9 +1,15 @@
 """Orbax checkpoints of a TrainState: round trip, bit-identical resume, mismatches refused with
-nothing written."""
+nothing written, damaged arrays refused (the newest intact step restored), restores onto another
+mesh or bucket size, asynchronous and atomic saves."""
 
 import dataclasses
+import functools
 import hashlib
 import pathlib
+import re
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
@@ -115,3 +122,136 @@ def test_mismatches_are_refused_and_nothing_is_written(run, tmp_path):
     with pytest.raises(ValueError, match="has no sharding"):
         jd.restore_checkpoint(directory, no_shardings)
     assert _snapshot(directory) == before
+
+
+# -- integrity: checksums, the newest intact step -------------------------------------------------
+
+
+def _flip_bytes(path, count=16):
+    data = bytearray(path.read_bytes())
+    for i in range(count):
+        data[(len(data) // 2 + 7 * i) % len(data)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_array_file_is_refused_and_the_previous_step_restored(run, tmp_path):
+    directory, step, saved, _ = run
+    copy = tmp_path / "ckpt"
+    shutil.copytree(directory, copy)
+    state, _ = jd.restore_checkpoint(copy, step.abstract_state())
+    jd.save_checkpoint(copy, state, step=3)
+    moments = [p for p in (copy / "3" / "state").iterdir() if "mu" in p.name and p.is_dir()]
+    chunk = next(f for f in sorted(moments[0].iterdir()) if not f.name.startswith("."))
+    _flip_bytes(chunk)
+    with pytest.raises(jd.CheckpointCorruptError, match=rf"array 'opt_state/inner/.*mu.*' \(file {re.escape(str(moments[0]))}\)"):
+        jd.restore_checkpoint(copy, step.abstract_state(), step=3)
+    with pytest.warns(UserWarning, match="Trying the previous step"):
+        restored, extra = jd.restore_checkpoint(copy, step.abstract_state())
+    assert extra == {"data_position": 2} and int(restored.step) == 2
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- moving: another data-axis size, bucket size or mesh ------------------------------------------
+
+D, H = 8, 16
+TP_SPECS = {"w_in": P(None, "model"), "w_out": P("model", None), "norm": None}
+
+
+def _tp_loss(p, batch, model_axis="model"):
+    h = jnp.tanh((batch["x"] * p["norm"]) @ p["w_in"])
+    y = h @ p["w_out"]
+    y = jax.lax.psum(y, model_axis) if model_axis else y
+    return jnp.mean((y - batch["y"]) ** 2)
+
+
+def _tp_batch(i):
+    rng = np.random.default_rng([11, i])
+    return {"x": rng.normal(size=(16, D)).astype(np.float32), "y": rng.normal(size=(16, D)).astype(np.float32)}
+
+
+def _tp_step(shape, names, bucket_size, **config):
+    rng = np.random.default_rng(0)
+    params = {"w_in": rng.normal(size=(D, H)).astype(np.float32) * 0.3,
+              "w_out": rng.normal(size=(H, D)).astype(np.float32) * 0.3, "norm": np.ones(D, np.float32)}
+    mesh = Mesh(np.array(jax.devices("cpu")[: int(np.prod(shape))]).reshape(shape), names)
+    loss = _tp_loss if "model" in names else functools.partial(_tp_loss, model_axis=None)
+    step = jd.make_train_step(params, loss, jd.adamw(1e-2, weight_decay=0.1, max_norm=1.0), mesh,
+                              jd.TrainConfig(bucket_size=bucket_size, **config), example_batch=_tp_batch(0))
+    return step, params
+
+
+MOVES = {
+    "8_devices_to_4_other_bucket_size": (((8,), ("data",), 60, {}), ((4,), ("data",), 200, {})),
+    "tp_data_model_to_replica_data_model": (
+        ((4, 2), ("data", "model"), 60, {"param_specs": TP_SPECS}),
+        ((2, 2, 2), ("replica", "data", "model"), 100, {"param_specs": TP_SPECS, "outer_axis": "replica"})),
+    "tp_to_plain_data_parallel": (((4, 2), ("data", "model"), 60, {"param_specs": TP_SPECS}),
+                                  ((8,), ("data",), 40, {})),
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_restores_onto_another_mesh_and_bucket_size_and_trains_on(move, tmp_path):
+    (shape_a, names_a, size_a, extra_a), (shape_b, names_b, size_b, extra_b) = MOVES[move]
+    step_a, params = _tp_step(shape_a, names_a, size_a, **extra_a)
+    step_b, _ = _tp_step(shape_b, names_b, size_b, **extra_b)
+    assert step_a.optimizer.fingerprint != step_b.optimizer.fingerprint
+    state = step_a.init(params)
+    for i in range(2):
+        state, _ = step_a(state, _tp_batch(i))
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    continued = []
+    for i in range(2, 5):
+        state, metrics = step_a(state, _tp_batch(i))
+        continued.append(float(metrics.loss))
+    moved, _ = jd.restore_checkpoint(tmp_path / "ckpt", step_b.abstract_state())
+    resumed = []
+    for i in range(2, 5):
+        moved, metrics = step_b(moved, _tp_batch(i))
+        resumed.append(float(metrics.loss))
+    np.testing.assert_allclose(resumed, continued, rtol=2e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(moved.params)), jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+    # The moved run saves into the same directory: one model, two layouts.
+    jd.save_checkpoint(tmp_path / "ckpt", moved)
+
+
+# -- asynchronous, atomic saves -------------------------------------------------------------------
+
+
+def test_async_save_does_not_hold_the_next_steps_back(tmp_path):
+    step, params = _tp_step((8,), ("data",), 60)
+    state, _ = step(step.init(params), _tp_batch(0))
+    snapshot = jax.device_get(state)
+    pending = jd.save_checkpoint_async(tmp_path / "ckpt", state)
+    for i in range(1, 3):  # the step donates the state being written
+        state, _ = step(state, _tp_batch(i))
+    assert pending.wait() == (tmp_path / "ckpt" / "1").absolute() and pending.done()
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", step.abstract_state())
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(snapshot)):
+        np.testing.assert_array_equal(a, b)
+
+
+KILLED_SAVER = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax.numpy as jnp, jax_drain as jd
+state = {"w": jnp.arange(200_000, dtype=jnp.float32), "b": jnp.ones(3)}
+jd.save_checkpoint(sys.argv[1], state, step=1)
+jd.save_checkpoint_async(sys.argv[1], {"w": state["w"] * 2, "b": state["b"]}, step=2)
+os._exit(9)  # killed while step 2 is being written
+"""
+
+
+def test_a_kill_during_a_save_leaves_the_previous_step_restorable(tmp_path):
+    result = subprocess.run([sys.executable, "-c", KILLED_SAVER, str(tmp_path / "ckpt")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 9, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Unable to load CUDA" not in result.stderr  # no noise on CPU
+    whole = jax.sharding.NamedSharding(Mesh(np.array(jax.devices("cpu")[:1]), ("x",)), P())
+    target = {"w": jax.ShapeDtypeStruct((200_000,), jnp.float32, sharding=whole),
+              "b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=whole)}
+    state, _ = jd.restore_checkpoint(tmp_path / "ckpt", target)  # step 1, or step 2 if it finished
+    w = np.asarray(state["w"])
+    assert np.array_equal(w, np.arange(200_000)) or np.array_equal(w, 2 * np.arange(200_000))
