@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jax_drain import _compat
 from jax_drain.collectives import all_gather_bucket, all_reduce_shard, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
-from jax_drain.layout import BucketLayout, check_leaves
+from jax_drain.layout import BucketLayout, Piece, check_leaves
 from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
 
 PyTree = Any
@@ -119,20 +119,22 @@ class BucketChain:
 
     def describe(self, placements: Sequence[LeafPlacement], mesh: Mesh) -> dict[str, Any]:
         """Everything that decides where a parameter element lands in a shard (JSON-able): per
-        bucket its dtype, padded size and slots ``[path, local shape, dtype, offset, spec,
-        global shape]`` (``spec``: per dimension ``None`` or the mesh axes splitting it)."""
+        bucket its dtype, padded size and pieces ``[path, local shape, dtype, offset, spec,
+        global shape, start, size]`` (``spec``: per dimension ``None`` or the mesh axes splitting
+        it; ``start``/``size``: the run of the leaf's flat local elements)."""
         layout = self.layout
 
-        def slot(j: int) -> list:
-            s, pl = layout.slots[j], placements[self.leaves[j]]
+        def slot(piece: Piece) -> list:
+            s, pl = layout.slots[piece.leaf], placements[self.leaves[piece.leaf]]
             spec = [None if e is None else ([e] if isinstance(e, str) else list(e)) for e in pl.spec]
-            return [s.path, list(s.shape), str(s.dtype), s.offset, spec, list(pl.global_shape)]
+            return [s.path, list(s.shape), str(s.dtype), piece.offset, spec, list(pl.global_shape),
+                    piece.start, piece.size]
 
         return {
             "name": self.name, "axes": list(self.axes), "axis_size": self.axis_size,
             "spec_axes": list(self.spec_axes), "spec_sizes": [int(mesh.shape[a]) for a in self.spec_axes],
             "num_layers": self.num_layers,
-            "buckets": [[str(b.dtype), b.padded_size, [slot(j) for j in b.leaves]] for b in layout.buckets],
+            "buckets": [[str(b.dtype), b.padded_size, [slot(p) for p in b.pieces]] for b in layout.buckets],
         }
 
     # -- buckets ----------------------------------------------------------------------------
@@ -231,6 +233,7 @@ def build_chain(
     bucket_size: int | None,
     order: Sequence[int] | None,
     num_layers: int | None = None,
+    split_leaves: bool = False,
 ) -> BucketChain:
     """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
     layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
@@ -242,7 +245,7 @@ def build_chain(
     shapes = [placements[i].local_shape[(0 if num_layers is None else 1):] for i in leaves]
     layout = BucketLayout.build(
         [jax.ShapeDtypeStruct(s, placements[i].dtype) for s, i in zip(shapes, leaves)],
-        bucket_size, shard_multiple=math.lcm(axis_size, 128), order=sub_order,
+        bucket_size, shard_multiple=math.lcm(axis_size, 128), order=sub_order, split_leaves=split_leaves,
     )
     # Slots keep their index into the chain's own list but show the parameter's real path.
     slots = tuple(dataclasses.replace(s, path=placements[leaves[s.index]].path) for s in layout.slots)
@@ -542,23 +545,30 @@ def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarr
     A global shard array holds, for each rank along the chain's spec axes (major first), that
     rank's whole padded bucket; a layer chain's has the layers first.
     """
-    out: dict[str, np.ndarray] = {}
+    # First every rank's local block of every leaf (pieces may lie in several buckets) ...
+    local: dict[tuple[int, str, int], np.ndarray] = {}
+    placed: dict[tuple[int, str], tuple] = {}
     i = 0
-    for chain in description:
-        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
+    for c, chain in enumerate(description):
         rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
-        for _, padded, slots in chain["buckets"]:
+        for _, padded, pieces in chain["buckets"]:
             whole = np.asarray(buckets[i])
             i += 1
-            for r, coords in enumerate(_spec_ranks(chain)):
-                local = whole[..., r * padded:(r + 1) * padded]
-                for path, shape, _, offset, spec, global_shape in slots:
-                    size = math.prod(shape)
-                    block = local[..., offset:offset + size].reshape(*rows, *shape)
-                    array = out.setdefault(path, np.zeros(global_shape, whole.dtype))
-                    array[_block(spec, [*rows, *shape], coords, sizes)] = block
+            for r in range(len(_spec_ranks(chain))):
+                for path, shape, _, offset, spec, global_shape, start, size in pieces:
+                    flat = local.setdefault((c, path, r), np.zeros((*rows, math.prod(shape)), whole.dtype))
+                    flat[..., start:start + size] = whole[..., r * padded + offset:r * padded + offset + size]
+                    placed[(c, path)] = (rows, shape, spec, global_shape)
     if i != len(buckets):
         raise ValueError(f"the description has {i} buckets, got {len(buckets)} arrays")
+    # ... then each block at its place in the global array.
+    out: dict[str, np.ndarray] = {}
+    for (c, path, r), flat in local.items():
+        chain = description[c]
+        rows, shape, spec, global_shape = placed[(c, path)]
+        array = out.setdefault(path, np.zeros(global_shape, flat.dtype))
+        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
+        array[_block(spec, [*rows, *shape], _spec_ranks(chain)[r], sizes)] = flat.reshape(*rows, *shape)
     return out
 
 
@@ -572,15 +582,14 @@ def host_from_params(
         sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
         rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
         ranks = _spec_ranks(chain)
-        for _, padded, slots in chain["buckets"]:
+        for _, padded, pieces in chain["buckets"]:
             whole = np.zeros((*rows, len(ranks) * padded), dtype)
             for r, coords in enumerate(ranks):
-                for path, shape, _, offset, spec, _ in slots:
+                for path, shape, _, offset, spec, _, start, size in pieces:
                     if path not in params:
                         raise KeyError(f"no array for parameter {path!r}")
-                    block = params[path][_block(spec, [*rows, *shape], coords, sizes)]
-                    start = r * padded + offset
-                    whole[..., start:start + math.prod(shape)] = block.reshape(*rows, -1)
+                    block = params[path][_block(spec, [*rows, *shape], coords, sizes)].reshape(*rows, -1)
+                    whole[..., r * padded + offset:r * padded + offset + size] = block[..., start:start + size]
             out.append(whole)
     return out
 

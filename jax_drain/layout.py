@@ -32,7 +32,8 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class LeafSlot:
-    """Where one leaf lives: ``bucket``'s elements ``[offset, offset + size)``."""
+    """Where one leaf lives: ``bucket``'s elements ``[offset, offset + size)``. With split
+    leaves, where the leaf's *first* piece lives: :attr:`Bucket.pieces` has every piece."""
 
     index: int  # position in ``jax.tree.leaves`` order
     path: str
@@ -47,14 +48,27 @@ class LeafSlot:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """A run of one leaf in a bucket: the leaf's flat elements ``[start, start + size)`` at the
+    bucket's elements ``[offset, offset + size)``. A whole leaf is one piece with ``start`` 0."""
+
+    leaf: int
+    start: int
+    size: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Bucket:
-    """One flat bucket: its leaves (layout order), used elements and padded size."""
+    """One flat bucket: its pieces (layout order), the leaves they belong to, used elements and
+    padded size."""
 
     index: int
     dtype: np.dtype
     leaves: tuple[int, ...]
     num_elements: int
     padded_size: int
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def padding(self) -> int:
@@ -161,6 +175,8 @@ class BucketLayout:
         bucket_size: int | None,
         shard_multiple: int = 128,
         order: Sequence[int] | None = None,
+        *,
+        split_leaves: bool = False,
     ) -> "BucketLayout":
         """Lays out the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s).
 
@@ -171,6 +187,10 @@ class BucketLayout:
             shard_multiple: each bucket's padded size is a multiple of this.
             order: the leaf indices in the order their gradients become ready
                 (``grad_ready_order``); ``None`` means reverse ``jax.tree.leaves`` order.
+            split_leaves: below Megatron's rule: every bucket (but each dtype's last) holds
+                exactly ``bucket_size`` elements, a leaf split at bucket boundaries into
+                :class:`Piece` s, so one large leaf (a tied embedding) no longer makes one large
+                bucket. ``False``: whole leaves, Megatron's rule.
         """
         bucket_size = check_bucket_size(bucket_size)
         if shard_multiple < 1:
@@ -188,30 +208,46 @@ class BucketLayout:
                 )
         order = tuple(reversed(range(len(leaves)))) if order is None else check_order(order, len(leaves))
 
-        # One open bucket per dtype; buckets are numbered when they close, which is dispatch order.
-        open_buckets: dict[np.dtype, list[int]] = {}
-        closed: list[tuple[np.dtype, list[int]]] = []
+        # One open bucket per dtype (its pieces: leaf, start, size); buckets are numbered when
+        # they close, which is dispatch order.
+        open_buckets: dict[np.dtype, list[tuple[int, int, int]]] = {}
+        closed: list[tuple[np.dtype, list[tuple[int, int, int]]]] = []
         for i in order:
             dtype = np.dtype(leaves[i].dtype)
-            members = open_buckets.setdefault(dtype, [])
-            members.append(i)
-            if bucket_size is not None and sum(_size(leaves[j]) for j in members) >= bucket_size:
-                closed.append((dtype, open_buckets.pop(dtype)))
+            start, remaining = 0, _size(leaves[i])
+            while True:
+                members = open_buckets.setdefault(dtype, [])
+                held = sum(size for _, _, size in members)
+                take = remaining if not split_leaves or bucket_size is None else min(remaining, bucket_size - held)
+                members.append((i, start, take))
+                start, remaining = start + take, remaining - take
+                if bucket_size is not None and held + take >= bucket_size:
+                    closed.append((dtype, open_buckets.pop(dtype)))
+                if remaining == 0:
+                    break
         # Remaining partial buckets close when their last leaf is ready.
         position = {leaf: k for k, leaf in enumerate(order)}
-        for dtype, members in sorted(open_buckets.items(), key=lambda kv: position[kv[1][-1]]):
+        for dtype, members in sorted(open_buckets.items(), key=lambda kv: position[kv[1][-1][0]]):
             closed.append((dtype, members))
 
         slots: list[LeafSlot | None] = [None] * len(leaves)
         buckets = []
         for b, (dtype, members) in enumerate(closed):
-            offset = 0
-            for i in members:
-                slots[i] = LeafSlot(i, paths[i], tuple(leaves[i].shape), dtype, b, offset)
-                offset += _size(leaves[i])
+            offset, pieces = 0, []
+            for i, start, size in members:
+                if start == 0:
+                    slots[i] = LeafSlot(i, paths[i], tuple(leaves[i].shape), dtype, b, offset)
+                pieces.append(Piece(i, start, size, offset))
+                offset += size
             padded = max(shard_multiple, -(-offset // shard_multiple) * shard_multiple)
-            buckets.append(Bucket(b, dtype, tuple(members), offset, padded))
+            members_in_order = tuple(dict.fromkeys(p.leaf for p in pieces))
+            buckets.append(Bucket(b, dtype, members_in_order, offset, padded, tuple(pieces)))
         return cls(treedef, tuple(slots), tuple(buckets), shard_multiple)
+
+    @property
+    def split(self) -> bool:
+        """Whether some leaf is split over several buckets."""
+        return any(p.start or p.size != self.slots[p.leaf].size for b in self.buckets for p in b.pieces)
 
     @property
     def num_buckets(self) -> int:
@@ -237,7 +273,7 @@ class BucketLayout:
         out = []
         for bucket in self.buckets:
             bucket_dtype = bucket.dtype if dtype is None else dtype
-            parts = [jnp.ravel(leaves[i]).astype(bucket_dtype) for i in bucket.leaves]
+            parts = [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size).astype(bucket_dtype) for p in bucket.pieces]
             if bucket.padding:
                 parts.append(jnp.zeros((bucket.padding,), bucket_dtype))
             out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
@@ -254,18 +290,26 @@ class BucketLayout:
                     f"bucket {bucket.index} has shape {tuple(array.shape)}, expected "
                     f"({bucket.padded_size},); pass whole buckets, not per-device shards"
                 )
-        leaves = [
-            buckets[s.bucket][s.offset : s.offset + s.size].reshape(s.shape) for s in self.slots
-        ]
+        parts: list[list[tuple[int, jax.Array]]] = [[] for _ in self.slots]
+        for bucket, array in zip(self.buckets, buckets):
+            for p in bucket.pieces:
+                parts[p.leaf].append((p.start, array[p.offset : p.offset + p.size]))
+        leaves = []
+        for slot, pieces in zip(self.slots, parts):
+            pieces.sort(key=lambda item: item[0])
+            flat = pieces[0][1] if len(pieces) == 1 else jnp.concatenate([x for _, x in pieces])
+            leaves.append(flat.reshape(slot.shape))
         return jax.tree.unflatten(self.treedef, leaves)
 
     def table(self) -> str:
         """A readable table: one row per leaf, one padding row per bucket."""
         rows = [("bucket", "dtype", "offset", "size", "leaf")]
         for bucket in self.buckets:
-            for i in bucket.leaves:
-                slot = self.slots[i]
-                rows.append((str(bucket.index), str(bucket.dtype), str(slot.offset), str(slot.size), slot.path))
+            for p in bucket.pieces:
+                slot = self.slots[p.leaf]
+                whole = p.start == 0 and p.size == slot.size
+                rows.append((str(bucket.index), str(bucket.dtype), str(p.offset), str(p.size),
+                             slot.path if whole else f"{slot.path}[{p.start}:{p.start + p.size}]"))
             rows.append(
                 (str(bucket.index), str(bucket.dtype), str(bucket.num_elements), str(bucket.padding),
                  f"<padding>  (bucket total {bucket.padded_size})")
@@ -281,3 +325,8 @@ class BucketLayout:
 
 def _size(leaf: Any) -> int:
     return math.prod(leaf.shape)
+
+
+def _piece_of(leaf: Any, piece: Piece, leaf_size: int) -> jax.Array:
+    flat = jnp.ravel(leaf)
+    return flat if piece.start == 0 and piece.size == leaf_size else flat[piece.start : piece.start + piece.size]

@@ -166,16 +166,14 @@ class FlatView:
         """Boundaries ``[start, end, start, end, ...)`` of the runs of shard ``i``'s bucket held
         by the leaves for which ``selected[leaf]`` is True (full-tree leaf index)."""
         chain, k = self.refs[i]
-        layout = chain.layout
         boundaries: list[int] = []
-        for j in layout.buckets[k].leaves:
-            if not selected[chain.leaves[j]]:
+        for piece in chain.layout.buckets[k].pieces:
+            if not selected[chain.leaves[piece.leaf]]:
                 continue
-            slot = layout.slots[j]
-            if boundaries and boundaries[-1] == slot.offset:
-                boundaries[-1] = slot.offset + slot.size  # extend the open run
+            if boundaries and boundaries[-1] == piece.offset:
+                boundaries[-1] = piece.offset + piece.size  # extend the open run
             else:
-                boundaries += [slot.offset, slot.offset + slot.size]
+                boundaries += [piece.offset, piece.offset + piece.size]
         return boundaries
 
     def shard_masks(self, mask: Mask) -> tuple[jax.Array, ...]:

@@ -115,6 +115,10 @@ class GradSync(ChainedSync):
             divides expert sums by the *dense* data-parallel size too: with expert parallel
             token dispatch, an expert's local gradient already sums the tokens of all its
             expert-parallel ranks, so this gives the same mean as for dense params.
+        split_leaves: split leaves at bucket boundaries so every bucket holds exactly
+            ``bucket_size`` elements (:meth:`BucketLayout.build <jax_drain.BucketLayout.build>`):
+            one large leaf (a tied embedding) then costs one bucket of scratch, not the whole
+            leaf. Default ``False``: Megatron's whole-leaf buckets.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
@@ -138,6 +142,7 @@ class GradSync(ChainedSync):
         outer_axis: AxisSpec = None,
         expert: ExpertSpec = None,
         expert_axis: AxisSpec = None,
+        split_leaves: bool = False,
     ):
         check_mesh(mesh)
         axes = as_axes(axis, "axis")
@@ -165,8 +170,10 @@ class GradSync(ChainedSync):
 
         dense = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
         expert_idx = tuple(i for i, pl in enumerate(self.placements) if pl.expert)
+        self.split_leaves = bool(split_leaves)
         chain = lambda name, scope, leaves, axes: build_chain(
-            name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order)
+            name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
+            split_leaves=self.split_leaves)
         chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
         if expert_idx:
             chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))

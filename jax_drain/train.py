@@ -90,7 +90,7 @@ class TrainConfig:
             tensor/expert-parallel ``PartitionSpec`` of each parameter, and which parameters are
             experts with the axes their gradients are reduced over. The batch is split over
             ``outer_axis`` and ``axis``.
-        bucket_size, reduce, drain, max_in_flight: passed to the sync.
+        bucket_size, reduce, drain, max_in_flight, split_leaves: passed to the sync.
         microbatches: local gradient accumulation steps per optimizer step; the per-device batch
             is split into this many equal micro-batches and the buckets are synced once.
         accum_dtype: dtype of the local gradient accumulator (``None``: the gradients' own dtype,
@@ -135,6 +135,7 @@ class TrainConfig:
     expert_axis: AxisSpec = None
     skip_nonfinite: bool = True
     skip_grad_norm_above: float | None = None
+    split_leaves: bool = False
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -341,6 +342,7 @@ class TrainStep:
         options = dict(
             axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
+            split_leaves=config.split_leaves,
         )
         stacked = self._find_stacked(global_micro)
         if stacked is not None:

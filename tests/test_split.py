@@ -1,0 +1,113 @@
+"""Split leaves: buckets of exactly bucket_size elements, a leaf split at bucket boundaries.
+
+Values against float64 references from the leaves themselves, the round trip, the same drained
+result as whole-leaf buckets (bit for bit in fp32 mode), the optimizer (masks and clipping over
+split leaves) and a checkpoint that moves between a split and a whole-leaf layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import data_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_drain as jd
+from jax_drain import _compat
+
+SDS = jax.ShapeDtypeStruct
+# A 37x29 "embedding" (1073 elements) spans several 256-element buckets; small leaves around it.
+TREE = {"embed": SDS((37, 29), jnp.float32), "norm": SDS((29,), jnp.float32), "w": SDS((29, 13), jnp.float32),
+        "b": SDS((13,), jnp.float32)}
+
+
+def test_layout_splits_leaves_into_buckets_of_exactly_bucket_size():
+    layout = jd.BucketLayout.build(TREE, 256, shard_multiple=8, split_leaves=True)
+    sizes = [b.num_elements for b in layout.buckets]
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(TREE))
+    assert sizes[:-1] == [256] * (len(sizes) - 1) and sum(sizes) == total
+    assert layout.split
+    embed_pieces = [p for b in layout.buckets for p in b.pieces if layout.slots[p.leaf].path == "embed"]
+    assert len(embed_pieces) >= 4 and sum(p.size for p in embed_pieces) == 37 * 29
+    assert "embed[" in layout.table()  # the table shows the slices
+    whole = jd.BucketLayout.build(TREE, 256, shard_multiple=8)
+    assert not whole.split and max(b.num_elements for b in whole.buckets) >= 37 * 29
+    rng = np.random.default_rng(0)
+    tree = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), TREE)
+    for a, b in zip(jax.tree.leaves(layout.unflatten(layout.flatten(tree))), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(a, b)
+    # The pieces hold the leaf's flat elements in order, at their offsets.
+    buckets = layout.flatten(tree)
+    for bucket, array in zip(layout.buckets, buckets):
+        for p in bucket.pieces:
+            leaf = np.ravel(jax.tree.leaves(tree)[p.leaf])
+            np.testing.assert_array_equal(array[p.offset:p.offset + p.size], leaf[p.start:p.start + p.size])
+
+
+def _reduce(sync, stacked):
+    fn = _compat.shard_map(lambda g: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g)), mesh=sync.mesh,
+                           in_specs=P("data"), out_specs=sync.shard_specs())
+    return sync.unflatten(jax.jit(fn)(stacked))
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "fp32_accum", "fp32_accum_streamed"])
+def test_split_sync_equals_float64_and_whole_leaf_buckets(reduce):
+    rng = np.random.default_rng(1)
+    scale = {"embed": 1.0, "norm": 1e-3, "w": 30.0, "b": 1e-2}
+    stacked = {k: jnp.asarray(rng.normal(size=(8, *s.shape)) * scale[k], jnp.float32) for k, s in TREE.items()}
+    split = jd.GradSync(TREE, data_mesh(8), bucket_size=256, reduce=reduce, split_leaves=True)
+    whole = jd.GradSync(TREE, data_mesh(8), bucket_size=256, reduce=reduce)
+    assert split.num_buckets > whole.num_buckets
+    got, same = _reduce(split, stacked), _reduce(whole, stacked)
+    for k in TREE:
+        want = np.asarray(stacked[k], np.float64).mean(axis=0)
+        err = np.linalg.norm(np.asarray(got[k], np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-6, (k, err)
+        if reduce == "fp32":
+            np.testing.assert_array_equal(got[k], same[k])  # the same sums, bucketed differently
+        else:
+            np.testing.assert_allclose(got[k], same[k], rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_optimizer_masks_and_clip_over_split_leaves_match_optax():
+    rng = np.random.default_rng(2)
+    params = {k: jnp.asarray(rng.normal(size=s.shape), jnp.float32) for k, s in TREE.items()}
+    batches = [{"x": rng.normal(size=(16, 37)).astype(np.float32), "y": rng.normal(size=(16, 13)).astype(np.float32)}
+               for _ in range(3)]
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["embed"] * p["norm"])
+        return jnp.mean((h @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    decay = lambda p: {"embed": True, "norm": False, "w": True, "b": False}
+    tx = lambda: jd.adamw(1e-2, weight_decay=0.1, mask=decay, max_norm=0.1)
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2, weight_decay=0.1, mask=decay))
+    step = jd.make_train_step(params, loss, tx(), data_mesh(8), jd.TrainConfig(bucket_size=256, split_leaves=True),
+                              example_batch=batches[0])
+    assert step.sync.layout.split
+    state, ref, opt_state = step.init(), params, ref_tx.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+        updates, opt_state = ref_tx.update(jax.grad(loss)(ref, b), opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    for k in TREE:  # Adam divides near-zero gradients by their square root: float32 noise there
+        np.testing.assert_allclose(jax.device_get(state.params[k]), ref[k], rtol=2e-5, atol=2e-6)
+
+
+def test_checkpoint_moves_between_split_and_whole_leaf_layouts(tmp_path):
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.normal(size=s.shape), jnp.float32) for k, s in TREE.items()}
+    batch = {"x": rng.normal(size=(16, 37)).astype(np.float32), "y": rng.normal(size=(16, 13)).astype(np.float32)}
+    loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["embed"] * p["norm"]) @ p["w"] + p["b"] - b["y"]) ** 2)
+    make = lambda split: jd.make_train_step(params, loss, optax.adam(1e-2), data_mesh(8),
+                                            jd.TrainConfig(bucket_size=256, split_leaves=split), example_batch=batch)
+    split, whole = make(True), make(False)
+    state, _ = split(split.init(), batch)
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    a, _ = split(state, batch)
+    moved, _ = jd.restore_checkpoint(tmp_path / "ckpt", whole.abstract_state())
+    b, _ = whole(moved, batch)
+    for x, y in zip(jax.tree.leaves(jax.device_get(a.params)), jax.tree.leaves(jax.device_get(b.params))):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
