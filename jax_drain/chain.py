@@ -66,6 +66,8 @@ class BucketChain:
         replicas: per layout leaf, how many devices hold each element of a shard (the outer axes
             and the non-data axes the leaf is replicated along); global norms divide by it.
         num_layers: a layer chain's shards are ``[num_layers, size]``; ``None`` for 1-D shards.
+        wire_dtype: the dtype buckets are cast to before the collective (e.g. bfloat16 for a
+            float32 model: bf16 wire, float32 accumulation); ``None``: the gradients' own.
     """
 
     name: str
@@ -79,6 +81,7 @@ class BucketChain:
     replicas: tuple[int, ...]
     spec_size: int = 1
     num_layers: int | None = None
+    wire_dtype: Any = None
 
     # -- shapes and specs -------------------------------------------------------------------
     @property
@@ -181,6 +184,8 @@ class BucketChain:
     def reduce_bucket(self, bucket: jax.Array, *, mode: str, divisor: int) -> jax.Array:
         """Reduce-scatters one whole bucket over ``axes``, all-reduces over ``outer_axes``,
         divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard."""
+        if self.wire_dtype is not None:
+            bucket = bucket.astype(self.wire_dtype)
         if self.axes:
             shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False)
         else:  # every data axis shards these params: nothing to reduce-scatter
@@ -234,6 +239,7 @@ def build_chain(
     order: Sequence[int] | None,
     num_layers: int | None = None,
     split_leaves: bool = False,
+    wire_dtype: Any = None,
 ) -> BucketChain:
     """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
     layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
@@ -257,8 +263,11 @@ def build_chain(
         for i in leaves
     )
     spec_size = math.prod(int(mesh.shape[a]) for a in spec_axes)
+    wire = None if wire_dtype is None else jnp.dtype(wire_dtype)
+    if wire is not None and not jnp.issubdtype(wire, jnp.floating):
+        raise ValueError(f"wire_dtype must be a floating dtype (e.g. jnp.bfloat16) or None, got {wire}")
     return BucketChain(name, scope, layout, leaves, axes, tuple(outer_axes), axis_size, spec_axes, replicas,
-                       spec_size, num_layers)
+                       spec_size, num_layers, wire)
 
 
 class ChainedSync:

@@ -163,6 +163,7 @@ class ScanGradSync(ChainedSync):
         max_in_flight: int | None = None,
         outer_axis: str | Sequence[str] | None = None,
         split_leaves: bool = False,
+        wire_dtype: Any = None,
     ):
         check_mesh(mesh)
         if not isinstance(axis, str):
@@ -196,7 +197,8 @@ class ScanGradSync(ChainedSync):
         order = None if order is None else check_order(order, len(self.placements))
         chain = lambda name, scope, leaves, layers: build_chain(
             name, scope, mesh, self.placements, leaves, self.axes, self.outer_axes,
-            bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=split_leaves)
+            bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=split_leaves,
+            wire_dtype=wire_dtype)
         #: The bucket chains, dispatch order: one layer's buckets (reduced inside the backward
         #: scan, shards ``[num_layers, size]``), then the other leaves' (after the loop).
         self.chains = (chain("layers", LAYER_SCOPE, self._stacked, self.num_layers),) + (

@@ -119,6 +119,10 @@ class GradSync(ChainedSync):
             ``bucket_size`` elements (:meth:`BucketLayout.build <jax_drain.BucketLayout.build>`):
             one large leaf (a tied embedding) then costs one bucket of scratch, not the whole
             leaf. Default ``False``: Megatron's whole-leaf buckets.
+        wire_dtype: the dtype a bucket travels in (the all-to-all of ``fp32_accum``, the
+            reduce-scatter of ``bf16``); the sum is still float32 where the mode says so.
+            ``None`` (default): the gradients' own dtype. ``jnp.bfloat16`` gives a float32 model
+            bf16 wire cost with float32 accumulation, like FSDP2's ``reduce_dtype``.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
@@ -143,6 +147,7 @@ class GradSync(ChainedSync):
         expert: ExpertSpec = None,
         expert_axis: AxisSpec = None,
         split_leaves: bool = False,
+        wire_dtype: Any = None,
     ):
         check_mesh(mesh)
         axes = as_axes(axis, "axis")
@@ -173,7 +178,7 @@ class GradSync(ChainedSync):
         self.split_leaves = bool(split_leaves)
         chain = lambda name, scope, leaves, axes: build_chain(
             name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
-            split_leaves=self.split_leaves)
+            split_leaves=self.split_leaves, wire_dtype=wire_dtype)
         chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
         if expert_idx:
             chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))

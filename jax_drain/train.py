@@ -55,6 +55,7 @@ For ``flax.linen`` (or plain functions) pass the params pytree and ``loss_fn(par
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -65,7 +66,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain.chain import ChainedSync, check_microbatches
+from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
 from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import split_output
 from jax_drain.mesh import (
@@ -90,7 +91,12 @@ class TrainConfig:
             tensor/expert-parallel ``PartitionSpec`` of each parameter, and which parameters are
             experts with the axes their gradients are reduced over. The batch is split over
             ``outer_axis`` and ``axis``.
-        bucket_size, reduce, drain, max_in_flight, split_leaves: passed to the sync.
+        bucket_size, reduce, drain, max_in_flight, split_leaves, wire_dtype: passed to the sync.
+        param_dtype: a precision policy independent of the model's dtype (FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=...)``): the working parameters the loss runs on
+            (and the all-gather carries) are cast to this dtype, e.g. ``jnp.bfloat16`` for a
+            float32 Flax model, while the master shards stay float32 from the model's own
+            values; gradients then travel in it too. ``None``: the model's dtypes.
         microbatches: local gradient accumulation steps per optimizer step; the per-device batch
             is split into this many equal micro-batches and the buckets are synced once.
         accum_dtype: dtype of the local gradient accumulator (``None``: the gradients' own dtype,
@@ -136,12 +142,20 @@ class TrainConfig:
     skip_nonfinite: bool = True
     skip_grad_norm_above: float | None = None
     split_leaves: bool = False
+    param_dtype: Any = None
+    wire_dtype: Any = None
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         check_microbatches(self.microbatches)
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
+        for name in ("param_dtype", "wire_dtype"):
+            value = getattr(self, name)
+            if value is not None:
+                if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
+                    raise ValueError(f"{name} must be a floating dtype (e.g. jnp.bfloat16) or None, got {value!r}")
+                object.__setattr__(self, name, jnp.dtype(value))
         if self.accum_dtype is not None:
             dtype = jnp.dtype(self.accum_dtype)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -224,7 +238,8 @@ class TrainStep:
         # init() reads the model's params when it is called (or the given pytree's); the step
         # itself only needs their shapes.
         self._model, self._source = model, (params if model is None else None)
-        self._abstract_params = _abstract(params)
+        self._model_params = _abstract(params)  # the model's own dtypes: the master shards' source
+        self._abstract_params = _working(self._model_params, config.param_dtype)
         check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
         self.data_size = axes_size(mesh, config.data_axes)
         self._batch_spec = P(config.data_axes[0] if len(config.data_axes) == 1 else config.data_axes)
@@ -261,21 +276,20 @@ class TrainStep:
             params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             raise ValueError("init needs concrete parameters; this step was built from abstract ones")
-        _check_like(params, self._abstract_params)
+        _check_like(params, self._model_params)
         # A copy, never an alias: the step donates its input state, which must not delete the
         # caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even
         # with may_alias=False when it reshards; a jitted copy never does.)
-        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
-        params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(params)
+        source = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self._param_shardings)(params)
         whole = NamedSharding(self.mesh, P())
         step = jax.device_put(jnp.zeros((), jnp.int32), whole)
         model_state = None
         if self._model_state is not None:
-            source = self._model if self._model is not None else None
-            model_state = _model_state(source) if source is not None else self._model_state
+            model_state = _model_state(self._model) if self._model is not None else self._model_state
             model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(model_state)
-        opt_state = None if self.optimizer is None else self.optimizer.init_sharded(params)
-        return TrainState(params, opt_state, step, model_state)
+        if self.optimizer is None:  # built by the first call, which also casts the params
+            return TrainState(source, None, step, model_state)
+        return TrainState(self._cast_params(source), self.optimizer.init_sharded(source), step, model_state)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
         """One optimizer step on a global ``batch``; returns ``(new_state, metrics)``.
@@ -322,12 +336,32 @@ class TrainStep:
         if self._model is None:
             raise ValueError("this step was built from a params pytree, not an nnx model")
         param_state = nnx.state(model, nnx.Param)
-        nnx.replace_by_pure_dict(param_state, state.params)
+        nnx.replace_by_pure_dict(param_state, self.master_params(state) if self.config.param_dtype else state.params)
         nnx.update(model, param_state)
         if state.model_state is not None:
             *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
             nnx.replace_by_pure_dict(other, state.model_state[1])
             nnx.update(model, other)
+
+    @property
+    def _param_shardings(self) -> PyTree:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
+
+    def _cast_params(self, params: PyTree) -> PyTree:
+        """The working parameters (``param_dtype``) from the model's own."""
+        if self.config.param_dtype is None:
+            return params
+        return jax.jit(lambda t: _working(t, self.config.param_dtype), out_shardings=self._param_shardings)(params)
+
+    def master_params(self, state: TrainState) -> PyTree:
+        """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
+        the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""
+        description = json.loads(state.opt_state.layout.description)
+        by_path = host_to_params(description, [np.asarray(jax.device_get(m)) for m in state.opt_state.master])
+        return jax.tree.unflatten(jax.tree.structure(self._model_params), [
+            by_path[path].astype(x.dtype) for path, x in zip(leaf_paths(self._model_params),
+                                                               jax.tree.leaves(self._model_params))
+        ])
 
     # -- construction -----------------------------------------------------------------------
     def _build(self, batch: PyTree) -> None:
@@ -342,7 +376,7 @@ class TrainStep:
         options = dict(
             axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
-            split_leaves=config.split_leaves,
+            split_leaves=config.split_leaves, wire_dtype=config.wire_dtype,
         )
         stacked = self._find_stacked(global_micro)
         if stacked is not None:
@@ -388,7 +422,9 @@ class TrainStep:
         if self.optimizer is None:
             self._build(batch)
         if isinstance(state, TrainState) and state.opt_state is None:
-            state = state._replace(opt_state=self.optimizer.init_sharded(state.params))
+            # The master shards come from the model's own values, not from a narrower working copy.
+            state = state._replace(params=self._cast_params(state.params),
+                                   opt_state=self.optimizer.init_sharded(state.params))
         self._check_state_fast(state)
         return state
 
@@ -446,6 +482,20 @@ class TrainStep:
 
 def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _working(tree: PyTree, dtype: Any) -> PyTree:
+    """``tree`` with its floating leaves in ``dtype`` (``None``: unchanged); arrays are cast,
+    ``jax.ShapeDtypeStruct`` s retyped."""
+    if dtype is None:
+        return tree
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
 
 
 def _check_like(tree: PyTree, abstract: PyTree) -> None:
