@@ -473,7 +473,10 @@ def _step_devices(compiled: Any) -> int:
 
 # -- built-in presets: the benchmark's steps --------------------------------------------------
 
-def bucket_size_for(params: Any, num_buckets: int, axis_size: int = 8, order: Sequence[int] | None = None) -> int:
+def bucket_size_for(
+    params: Any, num_buckets: int, axis_size: int = 8, order: Sequence[int] | None = None, *,
+    split_leaves: bool = False,
+) -> int:
     """The bucket size (elements) whose layout has the bucket count nearest ``num_buckets``.
 
     Buckets close once they reach the size, so ``total / num_buckets`` can give fewer, larger
@@ -496,6 +499,9 @@ def bucket_size_for(params: Any, num_buckets: int, axis_size: int = 8, order: Se
         raise ValueError(f"num_buckets must be a positive integer, got {num_buckets!r}")
     count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order).num_buckets
     total = max(1, sum(math.prod(p.shape) for p in jax.tree.leaves(params)))
+    if split_leaves:  # buckets of exactly the size: the total over the count, padded up
+        multiple = math.lcm(axis_size, 128)
+        return max(multiple, -(-total // (int(num_buckets) * multiple)) * multiple)
 
     def largest(at_least: int) -> int:  # the largest size whose count is >= at_least
         low, high = 1, total
@@ -776,7 +782,7 @@ def plan_preset(
     params = models.abstract_params(config)
     if bucket_size is None:
         order = grad_ready_order(models.make_loss(config), params, models.example_batch(config, mesh.size))
-        bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order)
+        bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order, split_leaves=strat.split)
     step, args, sync = build_step(strat, config, mesh, bucket_size=bucket_size, micro_batch=micro_batch)
     options, notes = dict(compiler_options or {}), []
     for name, value in strategy_options(strat, bucket_size * jnp.dtype(config.param_dtype).itemsize).items():
