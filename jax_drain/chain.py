@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.collectives import all_gather_bucket, all_reduce_shard, reduce_scatter_bucket
+from jax_drain.collectives import QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
 from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
@@ -181,13 +181,18 @@ class BucketChain:
         rank = jax.lax.axis_index(self.reduce_axis)
         return jax.lax.dynamic_slice_in_dim(bucket, rank * size, size, axis=bucket.ndim - 1)
 
-    def reduce_bucket(self, bucket: jax.Array, *, mode: str, divisor: int) -> jax.Array:
-        """Reduce-scatters one whole bucket over ``axes``, all-reduces over ``outer_axes``,
-        divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard."""
+    def reduce_bucket(self, bucket: jax.Array, k: int, *, mode: str, divisor: int) -> jax.Array:
+        """Reduce-scatters whole bucket ``k`` over ``axes``, all-reduces over ``outer_axes``,
+        divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard.
+        Quantized modes start a scale block at every piece (leaf) of the bucket, so a small leaf
+        never shares a scale with a large one."""
         if self.wire_dtype is not None:
             bucket = bucket.astype(self.wire_dtype)
         if self.axes:
-            shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False)
+            extra = {}
+            if mode in QUANTIZED_MODES:
+                extra["block_starts"] = tuple(p.offset for p in self.layout.buckets[k].pieces)
+            shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False, **extra)
         else:  # every data axis shards these params: nothing to reduce-scatter
             shard = bucket.astype(jnp.float32)
         if self.outer_axes:
@@ -209,9 +214,27 @@ class BucketChain:
 
         def reduce_one(i: int, bucket: jax.Array) -> jax.Array:
             with jax.named_scope(self.bucket_scope(ids(i))):
-                return self.reduce_bucket(bucket, mode=mode, divisor=divisor)
+                return self.reduce_bucket(bucket, ids(i), mode=mode, divisor=divisor)
 
         return sequenced_map(reduce_one, buckets, max_in_flight)
+
+    def reduce_scatter_leaves(
+        self, leaves: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
+    ) -> tuple[jax.Array, ...]:
+        """Reduces the buckets of the chain's ``leaves`` (its layout's leaves, in order) in
+        dispatch order, at most ``max_in_flight`` unfinished. The fence holds each bucket's
+        source leaves and the bucket is assembled after it, so a leaf split over several buckets
+        is sliced just in time rather than copied into every bucket up front."""
+        leaves = list(leaves)
+        sources = [tuple(leaves[j] for j in bucket.leaves) for bucket in self.layout.buckets]
+
+        def reduce_one(k: int, mine: tuple[jax.Array, ...]) -> jax.Array:
+            by_leaf = dict(zip(self.layout.buckets[k].leaves, mine))
+            bucket = self.layout.bucket(k, [by_leaf.get(j) for j in range(len(leaves))])
+            with jax.named_scope(self.bucket_scope(k)):
+                return self.reduce_bucket(bucket, k, mode=mode, divisor=divisor)
+
+        return sequenced_map(reduce_one, sources, max_in_flight)
 
     def gather(self, k: int, shard: jax.Array) -> jax.Array:
         """Whole bucket ``k`` in its parameters' dtype from every device's float32 shard."""

@@ -270,14 +270,17 @@ class BucketLayout:
         to ``dtype`` (e.g. float32 master copies of bf16 parameters).
         """
         leaves = self.check_tree(tree, check_dtypes=dtype is None)
-        out = []
-        for bucket in self.buckets:
-            bucket_dtype = bucket.dtype if dtype is None else dtype
-            parts = [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size).astype(bucket_dtype) for p in bucket.pieces]
-            if bucket.padding:
-                parts.append(jnp.zeros((bucket.padding,), bucket_dtype))
-            out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-        return tuple(out)
+        return tuple(self.bucket(k, leaves, dtype) for k in range(self.num_buckets))
+
+    def bucket(self, k: int, leaves: Sequence[Any], dtype: Any = None) -> jax.Array:
+        """Bucket ``k`` (1-D, zero-padded) from the leaves (``jax.tree.leaves`` order; only
+        bucket ``k``'s own leaves, :attr:`Bucket.leaves`, are read)."""
+        bucket = self.buckets[k]
+        bucket_dtype = bucket.dtype if dtype is None else dtype
+        parts = [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size).astype(bucket_dtype) for p in bucket.pieces]
+        if bucket.padding:
+            parts.append(jnp.zeros((bucket.padding,), bucket_dtype))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def unflatten(self, buckets: Sequence[jax.Array]) -> PyTree:
         """Inverse of :meth:`flatten`: leaves take their bucket's dtype."""

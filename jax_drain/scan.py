@@ -431,9 +431,8 @@ class ScanGradSync(ChainedSync):
     def _reduce_layer(self, layer_grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards."""
         self.check_varying(list(layer_grads), indices=self._stacked)
-        buckets = self._layers.layout.flatten(list(layer_grads))
-        return self._layers.reduce_scatter(
-            buckets, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
+        return self._layers.reduce_scatter_leaves(
+            list(layer_grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
 
     def _reduce_rest(self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         others = self._others
@@ -445,9 +444,8 @@ class ScanGradSync(ChainedSync):
             # Start the non-stacked buckets only once the layer loop's shards exist, so no
             # collective stays in flight across the loop (the drain's one-at-a-time bound).
             _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
-        return others.reduce_scatter(
-            others.layout.flatten(rest_grads), mode=self.reduce, divisor=self._divisor,
-            max_in_flight=self.max_in_flight)
+        return others.reduce_scatter_leaves(
+            rest_grads, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
 
     def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
         return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]

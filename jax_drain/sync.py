@@ -85,8 +85,10 @@ class GradSync(ChainedSync):
             are split over these axes, the first one major.
         bucket_size: a bucket closes once it holds at least this many elements (Megatron's
             unit); ``None`` gives one bucket per dtype (per chain).
-        reduce: ``"bf16"``, ``"fp32"``, ``"fp32_accum"`` or ``"fp32_accum_streamed"`` (see
-            :mod:`jax_drain.collectives`).
+        reduce: ``"bf16"``, ``"fp32"``, ``"fp32_accum"``, ``"fp32_accum_streamed"``, or a
+            quantized wire with float32 sums: ``"int8_accum"``, ``"fp8_accum"``,
+            ``"int8_accum_streamed"`` (per-block scales, blocks aligned to the bucket's leaves;
+            see :mod:`jax_drain.collectives`).
         drain: chain the buckets so at most one bucket's collectives (and scratch) are in flight.
         average: divide the sum by the number of data-parallel devices (the mean gradient):
             ``size(axis) * size(outer_axis)``, for expert params too.
@@ -321,8 +323,8 @@ class GradSync(ChainedSync):
         return self.pack_shards([
             shard
             for chain in self.chains
-            for shard in chain.reduce_scatter(
-                chain.flatten(leaves), mode=self.reduce, divisor=divisor, max_in_flight=self.max_in_flight)
+            for shard in chain.reduce_scatter_leaves(
+                [leaves[i] for i in chain.leaves], mode=self.reduce, divisor=divisor, max_in_flight=self.max_in_flight)
         ])
 
     def value_and_grad(
