@@ -142,6 +142,9 @@ TREE_TRANSFORMS = {
         {"fast": optax.sgd(0.1), "slow": optax.sgd(0.001)},
         lambda p: jax.tree.map(lambda x: "fast" if x.ndim > 1 else "slow", p)), "refused"),
     "optax.clip_by_global_norm": (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.01)), "refused"),
+    "optax.lars": (lambda: optax.lars(1e-3), "refused"),
+    "optax.clip_by_global_norm+adamw(small lr)": (
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), "refused"),
     "jd.adamw(mask=fn, max_norm)": (lambda: jd.adamw(0.01, weight_decay=0.1, mask=MATRICES, max_norm=1.0), "equal"),
     "jd.masked(prefix)": (lambda: optax.chain(jd.masked(optax.add_decayed_weights(0.5), PREFIX_MASK),
                                               optax.sgd(0.01)), "equal"),
