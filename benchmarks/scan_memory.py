@@ -110,7 +110,7 @@ def run(strategy: str, config: models.GPTConfig, bucket_size: int, reduce: str =
     """Compiles one strategy and returns its JSON row."""
     mesh = gpu_mesh((devices,), ("data",), target=target)
     params = models.abstract_params(config)
-    sync = ScanGradSync(params, mesh, "data", stacked=lambda path: path.startswith("blocks/"),
+    sync = ScanGradSync(params, mesh, axis="data", stacked=lambda path: path.startswith("blocks/"),
                         bucket_size=bucket_size, reduce=reduce)
     step, args = build_step(strategy, config, sync, micro_batch)
     start = time.perf_counter()
