@@ -76,17 +76,20 @@ def build_step(strategy: str, config: models.GPTConfig, sync: ScanGradSync, micr
 
 
 def _local_sums(sync: ScanGradSync, grads: Any) -> ScanShards:
-    """``sync.reduce_scatter(grads)`` with each bucket summed over its own chunks, no wire."""
-    n, num_layers = sync.axis_size, sync.num_layers
-    whole = sync.flatten(grads)
-    per = len(whole.layers)
-    buckets = [whole.layers[k][l] for l in reversed(range(num_layers)) for k in range(per)]
+    """``sync.reduce_scatter(grads)`` with each bucket summed over its own chunks, no wire:
+    one layer's buckets at a time, as the reduce-scatter after the scan sends them."""
+    n, layout, num_layers = sync.axis_size, sync.layer_layout, sync.num_layers
+    paths = models.leaf_paths(grads)
+    stacked = [g for g, path in zip(jax.tree.leaves(grads), paths) if path in sync.stacked_paths]
+    rest = [g for g, path in zip(jax.tree.leaves(grads), paths) if path not in sync.stacked_paths]
+    buckets = [b for l in reversed(range(num_layers)) for b in layout.flatten([g[l] for g in stacked])]
     local = lambda k, bucket: jnp.sum(bucket.reshape(n, -1).astype(jnp.float32), axis=0)
     sums = sequenced_map(local, buckets, 1)
+    per = len(layout.buckets)
     layers = tuple(jnp.stack([sums[(num_layers - 1 - l) * per + k] for l in range(num_layers)])
                    for k in range(per))
-    rest = tuple(jnp.sum(b.reshape(n, -1).astype(jnp.float32), axis=0) for b in whole.rest)
-    return ScanShards(layers, rest)
+    rest_buckets = () if sync.rest_layout is None else sync.rest_layout.flatten(rest)
+    return ScanShards(layers, tuple(jnp.sum(b.reshape(n, -1).astype(jnp.float32), axis=0) for b in rest_buckets))
 
 
 def loop_body_check(sched: Schedule, num_layer_buckets: int) -> dict[str, Any]:
