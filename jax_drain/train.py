@@ -163,12 +163,17 @@ class TrainConfig:
             object.__setattr__(self, "accum_dtype", dtype)
         as_axes(self.axis, "axis")
         as_axes(self.outer_axis, "outer_axis", allow_empty=True)
-        if self.scan_layers is True and (self.param_specs is not None or self.expert is not None
-                                         or not isinstance(self.axis, str)):
+        if self.scan_layers is True:
+            self.check_scannable()
+
+    def check_scannable(self) -> None:
+        """Raises unless a scanned stack can sync on this mesh: ScanGradSync reduces over one
+        data axis (and ``outer_axis``) and takes neither ``param_specs`` nor expert params."""
+        if self.param_specs is not None or self.expert is not None or not isinstance(self.axis, str):
             raise ValueError(
                 "scan_layers=True syncs with ScanGradSync, which reduces over one data axis (and "
                 "outer_axis) and supports neither param_specs (tensor parallel) nor expert params "
-                "yet: unroll the layers (scan_layers=False) on such a mesh"
+                "yet: use scan_layers=None or False on such a mesh (whole-leaf buckets)"
             )
 
     @property
@@ -405,6 +410,11 @@ class TrainStep:
         wanted = self.config.scan_layers
         if wanted is False:
             return None
+        if wanted is None:
+            try:
+                self.config.check_scannable()
+            except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly
+                return None
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
         mask = stacked_leaves(self._scalar_loss(in_shard_map=False), self._abstract_params, local_micro)

@@ -211,3 +211,16 @@ def test_global_norm_counts_every_element_once(kind, cpu_devices):
     assert norm(moved) == pytest.approx(1e-3, rel=1e-3)
     for m, e in zip(jax.tree.leaves(moved), jax.tree.leaves(expected)):
         np.testing.assert_allclose(m, e, rtol=0, atol=2e-6)
+
+
+def test_scan_layers_on_a_tensor_parallel_mesh(cpu_devices):
+    """ScanGradSync takes no param_specs: scan_layers=True is refused there; scan_layers=None
+    keeps whole-leaf buckets (and never traces the tensor-parallel loss outside shard_map)."""
+    with pytest.raises(ValueError, match="supports neither param_specs"):
+        jd.TrainConfig(scan_layers=True, param_specs=TP_SPECS)
+    case = CASES["tensor_parallel"]
+    params = case.params(np.random.default_rng(0))
+    mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "model"))
+    step = jd.make_train_step(params, case.loss, _tx(), mesh, jd.TrainConfig(scan_layers=None, param_specs=TP_SPECS),
+                              example_batch=_batches(0, 1)[0])
+    assert not step.scan_layers and isinstance(step.sync, jd.GradSync)
