@@ -366,6 +366,14 @@ class ChainedSync:
         axes = self.outer_axes + self.axes
         return PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
+    def per_chain(self, flat: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """A flat sequence (one entry per bucket, flat order) cut into one tuple per chain."""
+        flat, out, start = tuple(flat), [], 0
+        for chain in self.chains:
+            out.append(flat[start:start + chain.num_buckets])
+            start += chain.num_buckets
+        return out
+
     @property
     def flat_chains(self) -> tuple[tuple[BucketChain, int], ...]:
         """``(chain, bucket)`` of every entry of the flat shard tuple."""
@@ -403,13 +411,10 @@ class ChainedSync:
         if len(flat) != len(self.flat_chains):
             raise ValueError(f"expected {len(self.flat_chains)} buckets, got {len(flat)}")
         leaves: list[Any] = [None] * len(self.placements)
-        start = 0
-        for chain in self.chains:
-            part = flat[start:start + chain.num_buckets]
+        for chain, part in zip(self.chains, self.per_chain(flat)):
             chain.check_buckets(part, "unflatten")
             for i, leaf in zip(chain.leaves, chain.unflatten(part)):
                 leaves[i] = leaf
-            start += chain.num_buckets
         return jax.tree.unflatten(self._treedef, leaves)
 
     def unflatten(self, buckets: Any) -> PyTree:
@@ -580,13 +585,14 @@ def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarr
     # First every rank's local block of every leaf (pieces may lie in several buckets) ...
     local: dict[tuple[int, str, int], np.ndarray] = {}
     placed: dict[tuple[int, str], tuple] = {}
+    ranks = [_spec_ranks(chain) for chain in description]
     i = 0
     for c, chain in enumerate(description):
         rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
         for _, padded, pieces in chain["buckets"]:
             whole = np.asarray(buckets[i])
             i += 1
-            for r in range(len(_spec_ranks(chain))):
+            for r in range(len(ranks[c])):
                 for path, shape, _, offset, spec, global_shape, start, size in pieces:
                     flat = local.setdefault((c, path, r), np.zeros((*rows, math.prod(shape)), whole.dtype))
                     flat[..., start:start + size] = whole[..., r * padded + offset:r * padded + offset + size]
@@ -600,7 +606,7 @@ def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarr
         rows, shape, spec, global_shape = placed[(c, path)]
         array = out.setdefault(path, np.zeros(global_shape, flat.dtype))
         sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
-        array[_block(spec, [*rows, *shape], _spec_ranks(chain)[r], sizes)] = flat.reshape(*rows, *shape)
+        array[_block(spec, [*rows, *shape], ranks[c][r], sizes)] = flat.reshape(*rows, *shape)
     return out
 
 

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jax_drain.chain import host_from_params, host_to_params
-from jax_drain.layout import leaf_paths
+from jax_drain.layout import leaf_paths, path_str
 from jax_drain.optimizer import DistState
 
 PyTree = Any
@@ -346,15 +346,8 @@ def _dist_states(state: PyTree) -> list[tuple[str, DistState]]:
     out = []
     for path, node in found:
         if isinstance(node, DistState):
-            out.append(("/".join(_key(k) for k in path), node))
+            out.append((path_str(path), node))
     return out
-
-
-def _key(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def _checksum(array: Any) -> str:

@@ -78,7 +78,12 @@ class Bucket:
 def leaf_paths(tree: PyTree) -> list[str]:
     """Readable ``a/b/0/kernel`` paths of a pytree's leaves, in ``jax.tree.leaves`` order."""
     with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return ["/".join(_key_str(k) for k in path) or "<root>" for path, _ in with_paths]
+    return [path_str(path) for path, _ in with_paths]
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A ``jax.tree_util`` key path as ``leaf_paths`` writes it: ``a/b/0/kernel``."""
+    return "/".join(_key_str(k) for k in path) or "<root>"
 
 
 def _key_str(key: Any) -> str:

@@ -224,9 +224,8 @@ class ScanGradSync(ChainedSync):
         return (*shards.layers, *shards.rest)
 
     def pack_shards(self, flat: Sequence[Any]) -> ScanShards:
-        flat = tuple(flat)
-        k = self._layers.num_buckets
-        return ScanShards(flat[:k], flat[k:])
+        layers, *rest = self.per_chain(flat)
+        return ScanShards(layers, rest[0] if rest else ())
 
     # -- layout ---------------------------------------------------------------------------
     @property

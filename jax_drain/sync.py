@@ -205,11 +205,8 @@ class GradSync(ChainedSync):
         return (*dense, *expert)
 
     def pack_shards(self, flat: Sequence[Any]) -> tuple[Any, ...] | Shards:
-        flat = tuple(flat)
-        if self._expert is None:
-            return flat
-        k = self._dense.num_buckets
-        return Shards(flat[:k], flat[k:])
+        parts = self.per_chain(flat)
+        return parts[0] if len(parts) == 1 else Shards(*parts)
 
     # -- layout -----------------------------------------------------------------------------
     @property
