@@ -98,3 +98,27 @@ def test_the_skip_keeps_donation_on_and_a_consumed_state_is_refused():
     assert bool(metrics.skipped)
     newer, _ = step(kept, _batch(3))
     assert int(newer.step) == 2
+
+
+def test_the_skip_works_for_a_scanned_stack_with_micro_batches():
+    """ScanGradSync (shards reduced inside the backward scan, accumulated over 2 micro-batches):
+    a NaN in one micro-batch of one device still skips the step bit for bit."""
+    rng = np.random.default_rng(5)
+    params = {"blocks": {"w": jnp.asarray(rng.normal(size=(3, D, D)) * 0.3, jnp.float32)},
+              "head": jnp.asarray(rng.normal(size=(D, O)), jnp.float32)}
+
+    def loss(p, batch):
+        h, _ = jax.lax.scan(lambda h, b: (jnp.tanh(h @ b["w"]), None), batch["x"], p["blocks"])
+        return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
+
+    step = jd.make_train_step(params, loss, jd.adamw(1e-2, max_norm=1.0), data_mesh(8),
+                              jd.TrainConfig(bucket_size=O, scan_layers=True, microbatches=2, donate=False),
+                              example_batch=_batch())
+    assert step.scan_layers
+    state, _ = step(step.init(), _batch())
+    bad = _batch(2)
+    bad["x"][1, 0] = np.nan
+    after, metrics = step(state, bad)
+    assert bool(metrics.skipped) and int(metrics.nonfinite_buckets) > 0
+    _same(after.params, state.params)
+    _same(after.opt_state, state.opt_state)
