@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -383,13 +384,13 @@ class ChainedSync:
         """``PartitionSpec``s of the shards (the sync's output type), for ``shard_map`` out_specs."""
         return self.pack_shards([chain.shard_spec for chain, _ in self.flat_chains])
 
-    @property
+    @functools.cached_property
     def description(self) -> list[dict[str, Any]]:
         """Every chain's :meth:`BucketChain.describe`, flat order: enough to move shards laid
         out by this sync to and from per-parameter arrays (:func:`host_to_params`)."""
         return [chain.describe(self.placements, self.mesh) for chain in self.chains]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A short hash of :attr:`description`: leaf paths, shapes, specs, offsets, axis sizes.
 
