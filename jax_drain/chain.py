@@ -35,7 +35,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.collectives import QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, reduce_scatter_bucket
+from jax_drain.collectives import (
+    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, reduce_scatter_bucket, wire_values,
+)
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
 from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
@@ -69,6 +71,9 @@ class BucketChain:
         num_layers: a layer chain's shards are ``[num_layers, size]``; ``None`` for 1-D shards.
         wire_dtype: the dtype buckets are cast to before the collective (e.g. bfloat16 for a
             float32 model: bf16 wire, float32 accumulation); ``None``: the gradients' own.
+        bucket_axes: the mesh axes a device's whole (local) bucket differs along, mesh order:
+            the data axes its gradient is summed over and ``spec_axes``. An error-feedback
+            residual is one whole bucket per device, laid out over them.
     """
 
     name: str
@@ -83,6 +88,7 @@ class BucketChain:
     spec_size: int = 1
     num_layers: int | None = None
     wire_dtype: Any = None
+    bucket_axes: tuple[str, ...] = ()
 
     # -- shapes and specs -------------------------------------------------------------------
     @property
@@ -115,6 +121,32 @@ class BucketChain:
         axes = self.spec_axes + self.axes
         entry = axes[0] if len(axes) == 1 else (axes or None)
         return PartitionSpec(entry) if self.num_layers is None else PartitionSpec(None, entry)
+
+    def bucket_shape(self, k: int) -> tuple[int, ...]:
+        """Shape of whole bucket ``k`` on one device (an error-feedback residual's shape)."""
+        size = self.layout.bucket_sizes[k]
+        return (size,) if self.num_layers is None else (self.num_layers, size)
+
+    def global_bucket_shape(self, k: int, mesh: Mesh) -> tuple[int, ...]:
+        """Shape of every device's whole bucket ``k`` as one global array, split by
+        :attr:`bucket_spec`."""
+        *rows, size = self.bucket_shape(k)
+        return (*rows, size * math.prod(int(mesh.shape[a]) for a in self.bucket_axes))
+
+    @property
+    def bucket_spec(self) -> PartitionSpec:
+        """``PartitionSpec`` of per-device whole buckets (error-feedback residuals) outside
+        ``shard_map``: split over :attr:`bucket_axes`."""
+        axes = self.bucket_axes
+        entry = axes[0] if len(axes) == 1 else (axes or None)
+        return PartitionSpec(entry) if self.num_layers is None else PartitionSpec(None, entry)
+
+    def lossy_wire(self, mode: str) -> bool:
+        """Whether ``mode`` (with :attr:`wire_dtype`) rounds what a device sends: a quantized
+        mode, or a wire narrower than float32. Only then has error feedback anything to feed back."""
+        if mode in QUANTIZED_MODES:
+            return True
+        return any(jnp.finfo(self.wire_dtype or b.dtype).bits < 32 for b in self.layout.buckets)
 
     @property
     def reduce_axis(self) -> str | tuple[str, ...]:
@@ -182,17 +214,27 @@ class BucketChain:
         rank = jax.lax.axis_index(self.reduce_axis)
         return jax.lax.dynamic_slice_in_dim(bucket, rank * size, size, axis=bucket.ndim - 1)
 
-    def reduce_bucket(self, bucket: jax.Array, k: int, *, mode: str, divisor: int) -> jax.Array:
+    def reduce_bucket(
+        self, bucket: jax.Array, k: int, *, mode: str, divisor: int, residual: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Reduce-scatters whole bucket ``k`` over ``axes``, all-reduces over ``outer_axes``,
         divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard.
         Quantized modes start a scale block at every piece (leaf) of the bucket, so a small leaf
-        never shares a scale with a large one."""
-        if self.wire_dtype is not None:
+        never shares a scale with a large one.
+
+        Error feedback: with ``residual`` (this device's rounding error of the previous step,
+        whole-bucket shaped) the device sends ``bucket + residual`` and returns ``(shard,
+        new_residual)``, the new residual being what the wire rounded off this time (in
+        ``residual``'s dtype), so the compression error does not accumulate over steps."""
+        if residual is not None:
+            compensated = bucket.astype(jnp.float32) + residual.astype(jnp.float32)
+            bucket = compensated.astype(self.wire_dtype or bucket.dtype)
+        elif self.wire_dtype is not None:
             bucket = bucket.astype(self.wire_dtype)
+        extra = {}
+        if mode in QUANTIZED_MODES:
+            extra["block_starts"] = tuple(p.offset for p in self.layout.buckets[k].pieces)
         if self.axes:
-            extra = {}
-            if mode in QUANTIZED_MODES:
-                extra["block_starts"] = tuple(p.offset for p in self.layout.buckets[k].pieces)
             shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False, **extra)
         else:  # every data axis shards these params: nothing to reduce-scatter
             shard = bucket.astype(jnp.float32)
@@ -200,42 +242,51 @@ class BucketChain:
             outer = self.outer_axes[0] if len(self.outer_axes) == 1 else self.outer_axes
             # bf16 mode keeps the gradient dtype on the outer wire too (Megatron's baseline).
             shard = all_reduce_shard(shard, outer, wire_dtype=bucket.dtype if mode == "bf16" else jnp.float32)
-        return shard / divisor if divisor > 1 else shard
+        shard = shard / divisor if divisor > 1 else shard
+        if residual is None:
+            return shard
+        sent = wire_values(bucket, self.axis_size if self.axes else 1, mode=mode, **extra)
+        return shard, (compensated - sent).astype(residual.dtype)
 
     def reduce_scatter(
         self, buckets: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
-        bucket_ids: Callable[[int], int] | None = None,
-    ) -> tuple[jax.Array, ...]:
+        bucket_ids: Callable[[int], int] | None = None, residuals: Sequence[jax.Array] | None = None,
+    ) -> Any:
         """Reduces ``buckets`` in order, at most ``max_in_flight`` unfinished (the drain).
 
         ``bucket_ids(i)`` names input ``i``'s bucket (default ``i``), for chains that send one
-        bucket several times (each layer's bucket ``k`` after backward).
+        bucket several times (each layer's bucket ``k`` after backward). With ``residuals`` (one
+        per input, see :meth:`reduce_bucket`) returns ``(shards, new_residuals)``.
         """
         ids = bucket_ids or (lambda i: i)
 
-        def reduce_one(i: int, bucket: jax.Array) -> jax.Array:
+        def reduce_one(i: int, item: tuple) -> Any:
+            bucket, residual = item
             with jax.named_scope(self.bucket_scope(ids(i))):
-                return self.reduce_bucket(bucket, ids(i), mode=mode, divisor=divisor)
+                return self.reduce_bucket(bucket, ids(i), mode=mode, divisor=divisor, residual=residual)
 
-        return sequenced_map(reduce_one, buckets, max_in_flight)
+        return _with_residuals(reduce_one, list(buckets), residuals, max_in_flight)
 
     def reduce_scatter_leaves(
         self, leaves: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
-    ) -> tuple[jax.Array, ...]:
+        residuals: Sequence[jax.Array] | None = None,
+    ) -> Any:
         """Reduces the buckets of the chain's ``leaves`` (its layout's leaves, in order) in
         dispatch order, at most ``max_in_flight`` unfinished. The fence holds each bucket's
         source leaves and the bucket is assembled after it, so a leaf split over several buckets
-        is sliced just in time rather than copied into every bucket up front."""
+        is sliced just in time rather than copied into every bucket up front. With ``residuals``
+        (one per bucket) returns ``(shards, new_residuals)``."""
         leaves = list(leaves)
         sources = [tuple(leaves[j] for j in bucket.leaves) for bucket in self.layout.buckets]
 
-        def reduce_one(k: int, mine: tuple[jax.Array, ...]) -> jax.Array:
+        def reduce_one(k: int, item: tuple) -> Any:
+            mine, residual = item
             by_leaf = dict(zip(self.layout.buckets[k].leaves, mine))
             bucket = self.layout.bucket(k, [by_leaf.get(j) for j in range(len(leaves))])
             with jax.named_scope(self.bucket_scope(k)):
-                return self.reduce_bucket(bucket, k, mode=mode, divisor=divisor)
+                return self.reduce_bucket(bucket, k, mode=mode, divisor=divisor, residual=residual)
 
-        return sequenced_map(reduce_one, sources, max_in_flight)
+        return _with_residuals(reduce_one, sources, residuals, max_in_flight)
 
     def gather(self, k: int, shard: jax.Array) -> jax.Array:
         """Whole bucket ``k`` in its parameters' dtype from every device's float32 shard."""
@@ -287,11 +338,26 @@ def build_chain(
         for i in leaves
     )
     spec_size = math.prod(int(mesh.shape[a]) for a in spec_axes)
+    bucket_axes = mesh_order(mesh, tuple(outer_axes) + axes + spec_axes)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype)
     if wire is not None and not jnp.issubdtype(wire, jnp.floating):
         raise ValueError(f"wire_dtype must be a floating dtype (e.g. jnp.bfloat16) or None, got {wire}")
     return BucketChain(name, scope, layout, leaves, axes, tuple(outer_axes), axis_size, spec_axes, replicas,
-                       spec_size, num_layers, wire)
+                       spec_size, num_layers, wire, bucket_axes)
+
+
+def _with_residuals(reduce_one: Callable, items: list, residuals: Sequence[Any] | None,
+                    max_in_flight: int | None) -> Any:
+    """``sequenced_map`` of ``reduce_one`` over ``(item, residual)`` pairs: the shards, or
+    ``(shards, residuals)`` when ``residuals`` are given (each residual travels with its bucket
+    through the fence)."""
+    if residuals is None:
+        return sequenced_map(reduce_one, [(item, None) for item in items], max_in_flight)
+    residuals = list(residuals)
+    if len(residuals) != len(items):
+        raise ValueError(f"expected {len(items)} error-feedback residuals, one per bucket, got {len(residuals)}")
+    pairs = sequenced_map(reduce_one, list(zip(items, residuals)), max_in_flight)
+    return tuple(shard for shard, _ in pairs), tuple(residual for _, residual in pairs)
 
 
 class ChainedSync:

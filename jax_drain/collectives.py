@@ -136,6 +136,40 @@ def reduce_scatter_bucket(
     return shard / n if average and n > 1 else shard
 
 
+def wire_values(
+    bucket: jax.Array,
+    axis_size: int,
+    *,
+    mode: str,
+    block_size: int = 256,
+    block_starts: Iterable[int] | None = None,
+) -> jax.Array:
+    """The float32 values the receivers of :func:`reduce_scatter_bucket` sum for this device's
+    ``bucket``: what survives the wire. ``bucket - wire_values(bucket, ...)`` is the device's
+    rounding error, which error feedback adds to its next gradient.
+
+    Quantized modes quantize and dequantize every chunk in its blocks (the same blocks, so the
+    same values, as the collective); the other modes send the bucket's own elements, so the
+    values are the bucket in float32 (cast the bucket to a narrower wire dtype first to see that
+    rounding). Over an axis of size 1 nothing is sent and nothing is rounded.
+
+    Example::
+
+        sent = wire_values(bucket, 8, mode="int8_accum", block_starts=leaf_offsets)
+        residual = bucket - sent   # float32, the int8 rounding of every block
+    """
+    check_mode(mode)
+    if bucket.ndim != 1 or bucket.shape[0] % axis_size:
+        raise ValueError(f"a bucket is 1-D and splits over {axis_size} devices, got shape {bucket.shape}")
+    if mode not in QUANTIZED_MODES or axis_size == 1:
+        return bucket.astype(jnp.float32)
+    blocks = block_partition(bucket.shape[0], axis_size, block_size, block_starts)
+    splits, compact = jnp.asarray(blocks.splits), jnp.asarray(blocks.compact)
+    wire = _quantize(bucket.reshape(axis_size, blocks.chunk), blocks, splits, compact, mode)
+    values = jax.vmap(lambda w, s, c: _dequantize(w, blocks, s, c, mode))(wire, splits, compact)
+    return values.reshape(-1)
+
+
 def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
     """fp32-accumulated reduce-scatter as ``axis_size - 1`` point-to-point steps.
 

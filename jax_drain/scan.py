@@ -87,6 +87,7 @@ from jax_drain.chain import (
 )
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
+from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, pack_value, split_output
 from jax_drain.mesh import as_axes, check_mesh, place_leaves
@@ -288,7 +289,7 @@ class ScanGradSync(ChainedSync):
     # -- inside shard_map -----------------------------------------------------------------
     def value_and_grad(
         self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
-        accum_dtype: Any = jnp.float32, has_state: bool = False,
+        accum_dtype: Any = jnp.float32, has_state: bool = False, error_feedback: bool = False,
     ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning :class:`ScanShards`; each layer is
         reduce-scattered inside the backward scan.
@@ -305,8 +306,16 @@ class ScanGradSync(ChainedSync):
         divided by ``k`` (the loss is the mean over micro-batches), and with ``has_aux`` the aux
         outputs come back stacked ``[k, ...]``. ``accum_dtype`` is accepted for the protocol's
         sake and must be float32: the shards are accumulated in float32.
+
+        ``error_feedback``: the function takes this device's residuals second (a
+        :class:`ScanShards` of whole local buckets, ``[num_layers, size]`` per layer bucket) and
+        returns ``(value, shards, new_residuals)``; each layer's residual rows go through the
+        backward scan with its gradient (:mod:`jax_drain.feedback`). With micro-batches every
+        micro-batch's send is compensated by the residual the previous one left.
         """
         check_microbatches(microbatches)
+        if error_feedback:
+            check_error_feedback(self)
         if accum_dtype is not None and jnp.dtype(accum_dtype) != jnp.float32:
             raise ValueError("ScanGradSync accumulates the float32 shards of each micro-batch; accum_dtype "
                              f"must be float32, got {jnp.dtype(accum_dtype)}")
@@ -315,52 +324,64 @@ class ScanGradSync(ChainedSync):
             self.require_inside_shard_map("value_and_grad")
             self.check_tree(params, "params")
             local = jax.tree.leaves(self.local_params(params))
+            residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
             state, args = (args[0], args[1:]) if has_state else (None, args)
-            run = lambda state, a, kw: self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, a, kw)
+            run = lambda state, residuals, a, kw: self._value_and_grad_once(
+                loss_fn, has_aux, has_state, local, state, residuals, a, kw)
             if microbatches == 1:
-                out, shards = run(state, args, kwargs)
+                out, shards, residuals = run(state, residuals, args, kwargs)
             else:
-                out, shards = self._accumulate(run, state, args, kwargs, microbatches)
+                out, shards, residuals = self._accumulate(run, state, residuals, args, kwargs, microbatches)
             loss, shards = self.finish(out.total, out.count, shards)
-            return pack_value(loss, out.aux, out.state, has_aux, has_state), shards
+            value = pack_value(loss, out.aux, out.state, has_aux, has_state)
+            return (value, shards, residuals) if error_feedback else (value, shards)
 
         return wrapped
 
-    def reduce_scatter(self, grads: PyTree) -> ScanShards:
+    def reduce_scatter(self, grads: PyTree, *, residuals: ScanShards | None = None) -> Any:
         """Reduce-scatters a complete local gradient tree *after* backward; same output as
         :meth:`value_and_grad`.
 
         The reference and fallback: the stacked gradients already exist, so this saves no
         memory. Layer buckets are sent last layer first (backward order), all ``num_layers x
-        buckets`` collectives in one drain chain, then the non-stacked buckets.
+        buckets`` collectives in one drain chain, then the non-stacked buckets. ``residuals``:
+        error feedback, as for :meth:`value_and_grad`; returns ``(shards, new_residuals)``.
         """
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, "grads")
         self.check_varying(leaves)
         stacked, rest = self._split(leaves)
         layers_chain = self._layers
-        per_layer = [
-            layers_chain.layout.flatten([g[l] for g in stacked]) for l in reversed(range(self.num_layers))
-        ]
+        backward = list(reversed(range(self.num_layers)))
+        per_layer = [layers_chain.layout.flatten([g[l] for g in stacked]) for l in backward]
         num_buckets = layers_chain.num_buckets
+        rows = None if residuals is None else [residuals.layers[k][l] for l in backward for k in range(num_buckets)]
         reduced = layers_chain.reduce_scatter(
             [bucket for layer in per_layer for bucket in layer], mode=self.reduce, divisor=self._divisor,
-            max_in_flight=self.max_in_flight, bucket_ids=lambda i: i % num_buckets,
+            max_in_flight=self.max_in_flight, bucket_ids=lambda i: i % num_buckets, residuals=rows,
         )
-        layers = tuple(
-            jnp.stack([reduced[(self.num_layers - 1 - l) * num_buckets + k] for l in range(self.num_layers)])
-            for k in range(num_buckets)
-        )
-        return ScanShards(layers, self._reduce_rest(rest, layers))
+        reduced, new_rows = reduced if residuals is not None else (reduced, None)
+
+        def by_layer(flat: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+            return tuple(
+                jnp.stack([flat[(self.num_layers - 1 - l) * num_buckets + k] for l in range(self.num_layers)])
+                for k in range(num_buckets)
+            )
+
+        layers = by_layer(reduced)
+        if residuals is None:
+            return ScanShards(layers, self._reduce_rest(rest, layers))
+        rest_shards, rest_residuals = self._reduce_rest(rest, layers, residuals.rest)
+        return ScanShards(layers, rest_shards), ScanShards(by_layer(new_rows), rest_residuals)
 
     # -- internals --------------------------------------------------------------------------
     @property
     def _divisor(self) -> int:
         return self.data_size if self.average else 1
 
-    def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, args, kwargs):
-        """This device's :class:`~jax_drain.losses.LocalStep` and the shards, the layer scan
-        rewritten (module doc)."""
+    def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, residuals, args, kwargs):
+        """This device's :class:`~jax_drain.losses.LocalStep`, the shards and (with
+        ``residuals``) the new residuals, the layer scan rewritten (module doc)."""
         flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
         num_params = len(local)
 
@@ -377,20 +398,22 @@ class ScanGradSync(ChainedSync):
             _compat.mark_varying(jnp.zeros((self.num_layers, s), jnp.float32), (self.axis,))
             for s in self.layer_shard_sizes
         )
+        layer_residuals = () if residuals is None else tuple(residuals.layers)
         rewriters = []
 
-        def differentiable(rest_leaves, dummies):
+        def differentiable(rest_leaves, dummies, layer_residuals):
             inputs = self._merge_leaves(stacked_values, rest_leaves)
-            rewriter = _ScanRewriter(self, stacked_values, dummies)
+            rewriter = _ScanRewriter(self, stacked_values, dummies, layer_residuals)
             rewriters.append(rewriter)
             outs = rewriter.eval(closed.jaxpr, closed.consts, [*inputs, *flat_args], tracked)
             step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
             return step.total, step
 
         rest_local = [local[i] for i in self._rest]
-        (_, step), (rest_grads, layer_shards) = jax.value_and_grad(
-            differentiable, argnums=(0, 1), has_aux=True
-        )(rest_local, dummies)
+        # The layer residuals' "gradient" is their new value: the hook's backward returns it.
+        (_, step), (rest_grads, layer_shards, new_layer_residuals) = jax.value_and_grad(
+            differentiable, argnums=(0, 1, 2), has_aux=True
+        )(rest_local, dummies, layer_residuals)
         if not any(r.found for r in rewriters):
             raise ValueError(
                 f"loss_fn has no jax.lax.scan over the stacked leaves {list(self.stacked_paths)[:4]}"
@@ -399,44 +422,56 @@ class ScanGradSync(ChainedSync):
                 "stacked_leaves), or use jax_drain.GradSync for an unrolled model"
             )
         check_state_replicated(state, step.state, self.data_axes)
-        return step, ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards))
+        if residuals is None:
+            return step, ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards)), None
+        rest_shards, rest_residuals = self._reduce_rest(rest_grads, layer_shards, residuals.rest)
+        return (step, ScanShards(tuple(layer_shards), rest_shards),
+                ScanShards(tuple(new_layer_residuals), rest_residuals))
 
-    def _accumulate(self, run, state, args, kwargs, k):
+    def _accumulate(self, run, state, residuals, args, kwargs, k):
         """``k`` micro-batches in a loop, each reduce-scattered in its own backward scan; the
-        float32 shards (and the local loss and count) are summed in the loop carry."""
+        float32 shards (and the local loss and count) are summed in the loop carry, the
+        residuals (if any) carried from one micro-batch to the next."""
         args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
         zeros = ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
                            tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes))
         # The carry has the loop outputs' type: the loss varies along every data axis, the shards
         # along ``axis`` (the outer all-reduce makes them equal along ``outer_axis``).
         scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes)
-        init = (scalar(), scalar(), jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros), state)
+        init = (scalar(), scalar(), jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros), state,
+                residuals)
         weighted: list[bool] = []  # filled while the loop body is traced
 
         def one(carry, micro):
-            total, count, acc, state = carry
+            total, count, acc, state, residuals = carry
             a, kw = micro
-            step, shards = run(state, a, kw)
+            step, shards, residuals = run(state, residuals, a, kw)
             weighted.append(step.count is not None)
             acc = jax.tree.map(jnp.add, acc, shards)
             count = count + (1.0 if step.count is None else step.count)
-            return (total + step.total, count, acc, step.state), step.aux
+            return (total + step.total, count, acc, step.state, residuals), step.aux
 
-        (total, count, acc, state), aux = jax.lax.scan(one, init, (args, kwargs))
+        (total, count, acc, state, residuals), aux = jax.lax.scan(one, init, (args, kwargs))
         if weighted[0]:  # sums: finish() divides by the global count
-            return LocalStep(total, count, aux, state), acc
-        return LocalStep(total / k, None, aux, state), jax.tree.map(lambda s: s / k, acc)
+            return LocalStep(total, count, aux, state), acc, residuals
+        return LocalStep(total / k, None, aux, state), jax.tree.map(lambda s: s / k, acc), residuals
 
-    def _reduce_layer(self, layer_grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-        """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards."""
+    def _reduce_layer(self, layer_grads: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
+        """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards (and,
+        with this layer's ``residuals``, the new ones)."""
         self.check_varying(list(layer_grads), indices=self._stacked)
         return self._layers.reduce_scatter_leaves(
-            list(layer_grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
+            list(layer_grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
+            residuals=residuals)
 
-    def _reduce_rest(self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    def _reduce_rest(
+        self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array],
+        residuals: Sequence[jax.Array] | None = None,
+    ) -> Any:
+        """The non-stacked buckets' shards (``(shards, new_residuals)`` with ``residuals``)."""
         others = self._others
         if others is None:
-            return ()
+            return () if residuals is None else ((), ())
         rest_grads = list(rest_grads)
         self.check_varying(rest_grads, indices=self._rest)
         if self.drain:
@@ -444,7 +479,8 @@ class ScanGradSync(ChainedSync):
             # collective stays in flight across the loop (the drain's one-at-a-time bound).
             _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
         return others.reduce_scatter_leaves(
-            rest_grads, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight)
+            rest_grads, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
+            residuals=residuals)
 
     def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
         return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]
@@ -491,20 +527,25 @@ def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: A
 # -- the hook and the scan rewrite ---------------------------------------------------------------
 
 
-def _make_hook(reduce_layer: Callable[[Sequence[jax.Array]], tuple[jax.Array, ...]]):
-    """``hook(layer_leaves, layer_dummies) -> layer_leaves``: an identity whose backward rule
-    reduce-scatters the layer's gradient and returns the shards as the dummies' cotangent."""
+def _make_hook(reduce_layer: Callable[[Sequence[jax.Array], Sequence[jax.Array] | None], Any]):
+    """``hook(layer_leaves, layer_dummies, layer_residuals) -> layer_leaves``: an identity whose
+    backward rule reduce-scatters the layer's gradient and returns the shards as the dummies'
+    cotangent and, with error feedback (``layer_residuals`` not empty), the new residuals as
+    the residuals' cotangent."""
 
     @jax.custom_vjp
-    def hook(layer: list, dummies: tuple) -> list:
+    def hook(layer: list, dummies: tuple, residuals: tuple) -> list:
         return layer
 
-    def fwd(layer, dummies):
-        return layer, None
+    def fwd(layer, dummies, residuals):
+        return layer, residuals
 
-    def bwd(_, layer_grads):
+    def bwd(residuals, layer_grads):
         # No cotangent for the parameters: their gradient leaves the loop as shards only.
-        return None, tuple(reduce_layer(layer_grads))
+        if not residuals:
+            return None, tuple(reduce_layer(layer_grads, None)), ()
+        shards, new_residuals = reduce_layer(layer_grads, residuals)
+        return None, tuple(shards), tuple(new_residuals)
 
     hook.defvjp(fwd, bwd)
     return hook
@@ -514,10 +555,12 @@ class _ScanRewriter:
     """Evaluates a traced loss, replacing the scan over the stacked leaves by one whose body
     passes each layer's parameters through the sync's hook (one instance per evaluation)."""
 
-    def __init__(self, sync: ScanGradSync, stacked_values: Sequence[jax.Array], dummies: Sequence[jax.Array]):
+    def __init__(self, sync: ScanGradSync, stacked_values: Sequence[jax.Array], dummies: Sequence[jax.Array],
+                 residuals: Sequence[jax.Array]):
         self.sync = sync
         self.stacked_values = list(stacked_values)
         self.dummies = tuple(dummies)
+        self.residuals = tuple(residuals)  # per layer bucket [num_layers, size]; () without feedback
         self.found = False
 
     def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict) -> list:
@@ -605,13 +648,13 @@ class _ScanRewriter:
         hook = self.sync._hook
 
         def body_fn(carry, x):
-            xs_layer, extra_layer, dummies_layer = x
+            xs_layer, extra_layer, dummies_layer, residuals_layer = x
             layer = [None] * len(self.stacked_values)
             for j, pos in position.items():
                 layer[j] = xs_layer[pos]
             for j, value in zip(unused, extra_layer):
                 layer[j] = value
-            layer = hook(layer, dummies_layer)
+            layer = hook(layer, dummies_layer, residuals_layer)
             xs_layer = list(xs_layer)
             for j, pos in position.items():
                 xs_layer[pos] = layer[j]
@@ -619,7 +662,7 @@ class _ScanRewriter:
             return list(outs[:num_carry]), list(outs[num_carry:])
 
         carry, ys = jax.lax.scan(
-            body_fn, list(init), (list(xs), extra, self.dummies), length=params["length"],
+            body_fn, list(init), (list(xs), extra, self.dummies, self.residuals), length=params["length"],
             reverse=params["reverse"], unroll=params["unroll"],
             _split_transpose=params.get("_split_transpose", False),
         )

@@ -52,6 +52,7 @@ from jax_drain.chain import (
 )
 from jax_drain.collectives import check_mode
 from jax_drain.drain import drain_depth
+from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
 from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, check_mesh, place_leaves
@@ -303,7 +304,7 @@ class GradSync(ChainedSync):
         )
 
     # -- inside shard_map -----------------------------------------------------------------
-    def reduce_scatter(self, grads: PyTree) -> tuple[jax.Array, ...] | Shards:
+    def reduce_scatter(self, grads: PyTree, *, residuals: Any = None) -> Any:
         """Reduce-scatters per-device ``grads`` bucket by bucket; call inside ``jax.shard_map``.
 
         ``grads`` has the params' structure with local (per-device block) shapes. Returns one
@@ -311,22 +312,30 @@ class GradSync(ChainedSync):
         axis_size`` elements of the summed (or averaged) bucket, all-reduced over
         ``outer_axis`` if given. With expert params: :class:`Shards` ``(dense, expert)``.
         Each chain is drained on its own (Megatron links dense and expert buckets separately).
+
+        ``residuals``: error feedback (:mod:`jax_drain.feedback`): this device's residual of every
+        bucket (the sync's output type, whole local buckets); each bucket is sent with its
+        residual added, and ``(shards, new_residuals)`` is returned.
         """
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, what="grads", local=True)
         self.check_varying(leaves)
         # The mean is over every data-parallel device, for expert params too (see ``average``).
         divisor = self.data_size if self.average else 1
-        return self.pack_shards([
-            shard
-            for chain in self.chains
-            for shard in chain.reduce_scatter_leaves(
-                [leaves[i] for i in chain.leaves], mode=self.reduce, divisor=divisor, max_in_flight=self.max_in_flight)
-        ])
+        per_chain = [None] * len(self.chains) if residuals is None else self.per_chain(self.flat_shards(residuals))
+        shards, new_residuals = [], []
+        for chain, mine in zip(self.chains, per_chain):
+            out = chain.reduce_scatter_leaves([leaves[i] for i in chain.leaves], mode=self.reduce, divisor=divisor,
+                                              max_in_flight=self.max_in_flight, residuals=mine)
+            shards.extend(out if mine is None else out[0])
+            new_residuals.extend(() if mine is None else out[1])
+        if residuals is None:
+            return self.pack_shards(shards)
+        return self.pack_shards(shards), self.pack_shards(new_residuals)
 
     def value_and_grad(
         self, loss_fn: Callable[..., Any], has_aux: bool = False, *, microbatches: int = 1,
-        accum_dtype: Any = jnp.float32, has_state: bool = False,
+        accum_dtype: Any = jnp.float32, has_state: bool = False, error_feedback: bool = False,
     ) -> Callable[..., Any]:
         """Like ``jax.value_and_grad``, returning reduce-scattered gradient shards.
 
@@ -349,12 +358,20 @@ class GradSync(ChainedSync):
         ``has_state``: ``loss_fn(params, state, *args)`` returns ``(output, new_state)`` (e.g.
         Flax batch statistics, RNG counters); the state is threaded through the micro-batches,
         never split, and the value becomes ``(loss_value, new_state)``.
+
+        ``error_feedback``: the function takes this device's residuals second,
+        ``(params, residuals, *args)``, and returns ``(value, shards, new_residuals)``; see
+        :mod:`jax_drain.feedback` (the summed local gradient of all micro-batches is sent once,
+        with the residual added).
         """
         check_microbatches(microbatches)
         local_step = local_value_and_grad(loss_fn, has_aux, has_state)
+        if error_feedback:
+            check_error_feedback(self)
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad")
+            residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
             local = self.local_params(params)
             state, args = (args[0], args[1:]) if has_state else (None, args)
             if microbatches == 1:
@@ -362,8 +379,11 @@ class GradSync(ChainedSync):
                 check_state_replicated(state, out.state, self.data_axes)
             else:
                 out, grads = self._accumulate(local_step, local, state, args, kwargs, microbatches, accum_dtype)
-            loss, shards = self.finish(out.total, out.count, self.reduce_scatter(grads))
-            return pack_value(loss, out.aux, out.state, has_aux, has_state), shards
+            reduced = self.reduce_scatter(grads, residuals=residuals)
+            shards, residuals = reduced if error_feedback else (reduced, None)
+            loss, shards = self.finish(out.total, out.count, shards)
+            value = pack_value(loss, out.aux, out.state, has_aux, has_state)
+            return (value, shards, residuals) if error_feedback else (value, shards)
 
         return wrapped
 

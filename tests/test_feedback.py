@@ -1,0 +1,216 @@
+"""Error feedback: each device's wire rounding error is added to its next gradient, so a
+quantized wire's error does not accumulate over steps; residuals survive skips and checkpoints."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import data_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_drain as jd
+from jax_drain import _compat, models
+from jax_drain.collectives import reduce_scatter_bucket, wire_values
+from jax_drain.feedback import error_feedback_specs, init_error_feedback
+
+SDS = jax.ShapeDtypeStruct
+# Leaves of very different scales sharing buckets.
+TREE = {"w": SDS((37, 29), jnp.float32), "norm": SDS((29,), jnp.float32), "head": SDS((29, 13), jnp.float32)}
+SCALE = {"w": 1.0, "norm": 1e-3, "head": 30.0}
+QUANTIZED = ["int8_accum", "fp8_accum", "int8_accum_streamed"]
+
+
+def _grads(seed=0):
+    """Per-device gradients ``[8, ...]``: device ``d``'s local gradient is row ``d``."""
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.normal(size=(8, *s.shape)) * SCALE[k], jnp.float32) for k, s in TREE.items()}
+
+
+def _reducer(sync, feedback: bool):
+    specs = error_feedback_specs(sync).residuals
+    if feedback:
+        fn = lambda g, r: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g), residuals=r)
+        return jax.jit(_compat.shard_map(fn, mesh=sync.mesh, in_specs=(P("data"), specs),
+                                         out_specs=(sync.shard_specs(), specs)))
+    fn = lambda g: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g))
+    return jax.jit(_compat.shard_map(fn, mesh=sync.mesh, in_specs=P("data"), out_specs=sync.shard_specs()))
+
+
+@pytest.mark.parametrize("mode", ["int8_accum", "fp8_accum"])
+def test_wire_values_are_what_the_receivers_sum(mode):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 8 * 300)).astype(np.float32)
+    x[:, :300] *= 1e-3  # a small leaf beside a large one
+    starts = (0, 300, 1000)
+    fn = lambda b: (reduce_scatter_bucket(b[0], "data", mode=mode, average=False, block_starts=starts),
+                    wire_values(b[0], 8, mode=mode, block_starts=starts)[None])
+    shard, sent = jax.jit(_compat.shard_map(fn, mesh=data_mesh(8), in_specs=P("data"),
+                                            out_specs=(P("data"), P("data"))))(x)
+    sent = np.asarray(sent, np.float64)
+    np.testing.assert_allclose(shard, sent.sum(axis=0), rtol=1e-6, atol=1e-6)
+    assert 0 < np.abs(sent - x).max()  # the wire does round ...
+    # ... each leaf on its own scale: within fp8's 1/16 (int8's 1/254) of the small leaf's absmax.
+    assert np.abs(sent[:, :300] - x[:, :300]).max() < np.abs(x[:, :300]).max() / 16
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_feedback_keeps_the_summed_error_to_one_step(mode):
+    """The same gradients sent ``T`` times: without feedback the same rounding error is added
+    ``T`` times; with it the sum of what arrived is off by one step's rounding at most."""
+    sync = jd.GradSync(TREE, data_mesh(8), bucket_size=500, reduce=mode)
+    grads, steps = _grads(), 40
+    with_feedback, without = _reducer(sync, True), _reducer(sync, False)
+    residuals = init_error_feedback(sync).residuals
+    total = {k: np.zeros(s.shape) for k, s in TREE.items()}
+    plain = sync.unflatten(without(grads))
+    for _ in range(steps):
+        shards, residuals = with_feedback(grads, residuals)
+        for k, v in sync.unflatten(shards).items():
+            total[k] += np.asarray(v, np.float64)
+    for k in TREE:
+        exact = np.asarray(grads[k], np.float64).mean(axis=0)
+        one_step = np.linalg.norm(np.asarray(plain[k], np.float64) - exact)
+        assert one_step > 0
+        # Without feedback the summed error is steps * one_step; with it, about one step's.
+        assert np.linalg.norm(total[k] - steps * exact) < 3 * one_step, k
+
+
+def test_feedback_is_bit_identical_drained_and_undrained():
+    grads = _grads(1)
+    outs = []
+    for drain in (True, False):
+        sync = jd.GradSync(TREE, data_mesh(8), bucket_size=500, reduce="int8_accum", drain=drain)
+        residuals = init_error_feedback(sync).residuals
+        reduce = _reducer(sync, True)
+        for _ in range(3):
+            shards, residuals = reduce(grads, residuals)
+        outs.append((shards, residuals))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_feedback_through_the_backward_scan_equals_after_backward():
+    config = models.GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=8, vocab_size=50, scan_layers=True)
+    params, loss_fn = models.init_params(config, jax.random.key(0)), models.make_loss(config)
+    rng = np.random.default_rng(4)
+    batch = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 50, size=x.shape), x.dtype),
+                         models.example_batch(config, 16))
+    mask = jd.stacked_leaves(loss_fn, params, jax.tree.map(lambda x: x[:2], batch))
+    sync = jd.ScanGradSync(params, data_mesh(8), stacked=mask, bucket_size=3000, reduce="int8_accum")
+    specs = error_feedback_specs(sync).residuals
+    in_loop = jax.jit(_compat.shard_map(
+        lambda p, r, b: sync.value_and_grad(loss_fn, error_feedback=True)(p, r, b)[1:],
+        mesh=sync.mesh, in_specs=(P(), specs, P("data")), out_specs=(sync.shard_specs(), specs)))
+    after = jax.jit(_compat.shard_map(
+        lambda p, r, b: sync.reduce_scatter(jax.grad(lambda q: loss_fn(q, b))(sync.local_params(p)), residuals=r),
+        mesh=sync.mesh, in_specs=(P(), specs, P("data")), out_specs=(sync.shard_specs(), specs)))
+    residuals = init_error_feedback(sync).residuals
+    for _ in range(2):  # the second step starts from non-zero residuals
+        got, want = in_loop(params, residuals, batch), after(params, residuals, batch)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+        residuals = got[1]
+    assert any(np.abs(np.asarray(r, np.float32)).max() > 0 for r in jax.tree.leaves(residuals))
+
+
+def test_feedback_without_a_lossy_wire_is_refused():
+    with pytest.raises(ValueError, match="error feedback needs a wire"):
+        jd.GradSync(TREE, data_mesh(8), reduce="bf16").value_and_grad(lambda p, x: 0.0, error_feedback=True)
+    with pytest.raises(ValueError, match="no error"):
+        jd.GradSync(TREE, data_mesh(8), reduce="fp32_accum").value_and_grad(lambda p, x: 0.0, error_feedback=True)
+    # A narrower wire is lossy: accepted.
+    jd.GradSync(TREE, data_mesh(8), wire_dtype=jnp.bfloat16).value_and_grad(lambda p, x: 0.0, error_feedback=True)
+    with pytest.raises(ValueError, match="error_feedback=True needs a wire"):
+        jd.TrainConfig(reduce="fp32", error_feedback=True)
+
+
+# -- in the train step ---------------------------------------------------------------------------
+
+D, O, B = 12, 5, 16
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {"w": jnp.asarray(rng.normal(size=(D, O)) * 0.3, jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(O,)) * 0.1, jnp.float32)}
+
+
+def _loss(p, batch):
+    return jnp.mean(jnp.sum((jnp.tanh(batch["x"] @ p["w"]) + p["b"] - batch["y"]) ** 2, axis=-1))
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(B, D)).astype(np.float32), "y": rng.normal(size=(B, O)).astype(np.float32)}
+
+
+def _step(mesh=None, **config):
+    options = dict(bucket_size=O, reduce="int8_accum", error_feedback=True, donate=False) | config
+    return jd.make_train_step(_params(), _loss, optax.sgd(0.1), mesh or data_mesh(8), jd.TrainConfig(**options),
+                              example_batch=_batch(0))
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_train_step_carries_residuals_and_keeps_them_on_a_skipped_step():
+    step = _step()
+    state = step.init()
+    assert all(not x.any() for x in _leaves(state.error_feedback))
+    state, metrics = step(state, _batch(1))
+    assert not bool(metrics.skipped)
+    assert any(x.any() for x in _leaves(state.error_feedback))
+    bad = _batch(2)
+    bad["x"][3] = np.nan
+    after, metrics = step(state, bad)
+    assert bool(metrics.skipped)
+    for a, b in zip(_leaves(state), _leaves(after)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_step_with_feedback_tracks_fp32_accum_closer_than_without():
+    """Plain SGD sums the gradients into the parameters, so the wire's error shows up there:
+    after 30 steps, int8 with feedback is closer to fp32_accum's parameters than int8 without."""
+    batches = [_batch(10 + i) for i in range(30)]
+
+    def final(**config):
+        step = _step(**config)
+        state = step.init()
+        for batch in batches:
+            state, _ = step(state, batch)
+        return {k: np.asarray(v, np.float64) for k, v in state.params.items()}
+
+    exact = final(reduce="fp32_accum", error_feedback=False)
+    plain, fed = final(error_feedback=False), final()
+    distance = lambda p: np.sqrt(sum(np.sum((p[k] - exact[k]) ** 2) for k in exact))
+    assert distance(fed) < 0.5 * distance(plain), (distance(fed), distance(plain))
+
+
+def test_checkpoint_keeps_residuals_on_the_same_layout_and_restarts_them_elsewhere(tmp_path):
+    step = _step()
+    state, _ = step(step.init(), _batch(1))
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", step.abstract_state())
+    for a, b in zip(_leaves(state), _leaves(restored)):
+        np.testing.assert_array_equal(a, b)
+    # Another mesh: the optimizer state moves, the residuals start from zero.
+    other = _step(mesh=data_mesh(4))
+    with pytest.warns(UserWarning, match="start from zero"):
+        moved, _ = jd.restore_checkpoint(tmp_path / "ckpt", other.abstract_state())
+    assert all(not x.any() for x in _leaves(moved.error_feedback))
+    np.testing.assert_array_equal(other.master_params(moved)["w"], step.master_params(state)["w"])
+    other(moved, _batch(2))
+    # A checkpoint without feedback restores into a step with it (zeros), and back.
+    plain = _step(error_feedback=False)
+    jd.save_checkpoint(tmp_path / "plain", plain(plain.init(), _batch(1))[0])
+    with pytest.warns(UserWarning, match="start from zero"):
+        fed, _ = jd.restore_checkpoint(tmp_path / "plain", step.abstract_state())
+    assert all(not x.any() for x in _leaves(fed.error_feedback))
+    unfed, _ = jd.restore_checkpoint(tmp_path / "ckpt", plain.abstract_state())
+    assert unfed.error_feedback is None
+    with pytest.raises(ValueError, match="error-feedback residuals"):
+        step(unfed, _batch(2))
