@@ -12,6 +12,10 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
   or mesh: the optimizer shards are re-laid on the host through per-parameter arrays (the
   layouts in both descriptions say where every element is), then placed with the target's
   shardings. Parameters and other state restore into any sharding.
+* **Error feedback**: the residuals of an :class:`~jax_drain.feedback.ErrorFeedback` are saved
+  and restored with the state when the bucket layout is the same; restored into another layout
+  (or into a step that has them from a checkpoint that has not) they start from zero, with a
+  warning: a device's rounding residual means nothing on another device or layout.
 * **Atomic and asynchronous**: orbax writes a step into a temporary directory and renames it
   when complete, so a kill at any moment leaves the previous steps restorable;
   :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
@@ -47,6 +51,7 @@ import jax
 import numpy as np
 
 from jax_drain.chain import host_from_params, host_to_params
+from jax_drain.feedback import ErrorFeedback
 from jax_drain.layout import leaf_paths, path_str
 from jax_drain.optimizer import DistState
 
@@ -72,9 +77,9 @@ def state_description(state: PyTree) -> dict[str, Any]:
     """What a checkpoint records about ``state`` besides the arrays (JSON-serialisable).
 
     ``leaves``: ``[key, path, shape, dtype]`` per leaf (``jax.tree.leaves`` order); ``layouts``:
-    per ``DistState``, its path in the state, layout fingerprint and description;
-    ``fingerprint``: a hash of the leaves outside the ``DistState``s and the layouts. Leaves
-    inside a ``DistState`` are described by its layout (their number depends on it).
+    per ``DistState``, its path in the state, layout fingerprint and description; ``feedback``:
+    per ``ErrorFeedback``, its path and layout fingerprint; ``fingerprint``: a hash of the
+    leaves and the layouts.
     """
     paths = leaf_paths(state)
     leaves = jax.tree.leaves(state)
@@ -86,8 +91,11 @@ def state_description(state: PyTree) -> dict[str, Any]:
         {"path": path, "fingerprint": s.layout.fingerprint, "description": s.layout.description}
         for path, s in _dist_states(state)
     ]
-    digest = hashlib.sha256(json.dumps([described, [x["fingerprint"] for x in layouts]]).encode()).hexdigest()[:16]
-    return {"format": FORMAT_VERSION, "fingerprint": digest, "layouts": layouts, "leaves": described}
+    feedback = [{"path": path, "fingerprint": node.fingerprint} for path, node in _nodes(state, ErrorFeedback)]
+    hashed = [described, [x["fingerprint"] for x in layouts]] + ([feedback] if feedback else [])
+    digest = hashlib.sha256(json.dumps(hashed).encode()).hexdigest()[:16]
+    return {"format": FORMAT_VERSION, "fingerprint": digest, "layouts": layouts, "leaves": described,
+            "feedback": feedback}
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
@@ -259,6 +267,7 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
     arrays = _read_arrays(directory, step, host, saved)
     by_path = {path: arrays[key] for key, path, *_ in saved["leaves"]}
     by_path.update(_relaid(saved, wanted, by_path))
+    by_path.update(_feedback_restarted(saved, wanted, by_path))
     state = [
         jax.device_put(np.asarray(by_path[path], dtype=leaf.dtype), leaf.sharding)
         for (_, path, _, _), leaf in zip(wanted["leaves"], leaves)
@@ -308,6 +317,35 @@ def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.
     return out
 
 
+def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple, str]]:
+    """Every error-feedback leaf's path -> (its ErrorFeedback's fingerprint, shape, dtype)."""
+    nodes = [(x["path"] + "/", x["fingerprint"]) for x in description.get("feedback", [])]
+    out = {}
+    for _, path, shape, dtype in description["leaves"]:
+        for prefix, fingerprint in nodes:
+            if path.startswith(prefix):
+                out[path] = (fingerprint, tuple(shape), dtype)
+    return out
+
+
+def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict:
+    """The target's error-feedback residuals: the saved ones where they belong to the same
+    layout, zeros (with a warning) where they do not or were not saved."""
+    have, out, reset = _feedback_leaves(saved), {}, []
+    for path, entry in _feedback_leaves(wanted).items():
+        if have.get(path) == entry:
+            out[path] = arrays[path]
+        else:
+            out[path] = np.zeros(entry[1], entry[2])
+            reset.append(path)
+    if reset:
+        warnings.warn(
+            f"error-feedback residuals {reset[:3]}{'...' if len(reset) > 3 else ''} start from zero: the "
+            "checkpoint has none for this bucket layout (saved on another mesh or layout, or without them)",
+            stacklevel=3)
+    return out
+
+
 def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
     """The paths of each DistState shard set (its master shards, each FlatShards node of its tx
     state), in flat (bucket) order."""
@@ -321,10 +359,12 @@ def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two state descriptions differ at most in their DistStates' layouts: every other
-    leaf has the same path, shape and dtype, and the shard sets are the same."""
+    """Whether two state descriptions differ at most in their DistStates' layouts and their
+    error feedback: every other leaf has the same path, shape and dtype, and the shard sets are
+    the same."""
     def plain(description: dict[str, Any]) -> dict[str, tuple]:
         shards = {p for paths in _shard_sets(description).values() for p in paths}
+        shards |= _feedback_leaves(description).keys()
         return {path: (tuple(shape), dtype) for _, path, shape, dtype in description["leaves"] if path not in shards}
 
     return (plain(a) == plain(b) and _shard_sets(a).keys() == _shard_sets(b).keys()
@@ -342,12 +382,13 @@ def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wa
 
 def _dist_states(state: PyTree) -> list[tuple[str, DistState]]:
     """Each DistState in ``state`` with its path (as :func:`~jax_drain.layout.leaf_paths` writes it)."""
-    found, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, DistState))
-    out = []
-    for path, node in found:
-        if isinstance(node, DistState):
-            out.append((path_str(path), node))
-    return out
+    return _nodes(state, DistState)
+
+
+def _nodes(state: PyTree, kind: type) -> list[tuple[str, Any]]:
+    """Each node of type ``kind`` in ``state`` with its path (as ``leaf_paths`` writes it)."""
+    found, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, kind))
+    return [(path_str(path), node) for path, node in found if isinstance(node, kind)]
 
 
 def _checksum(array: Any) -> str:

@@ -67,6 +67,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
+from jax_drain.feedback import (
+    FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,
+    init_error_feedback,
+)
 from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import split_output
 from jax_drain.mesh import (
@@ -118,6 +122,12 @@ class TrainConfig:
             reduction per shard and a scalar all-reduce. ``StepMetrics.skipped`` reports it.
         skip_grad_norm_above: also skip when the global gradient norm exceeds this (Megatron's
             check for large gradients); ``None``: never.
+        error_feedback: keep each device's wire rounding error and add it to its next gradient
+            (:mod:`jax_drain.feedback`), so a quantized wire's error does not accumulate over
+            steps. Needs a lossy wire (``reduce="int8_accum"``, ``"fp8_accum"``,
+            ``"int8_accum_streamed"``, or ``fp32_accum`` with a narrower ``wire_dtype`` or bf16
+            gradients). The residuals live in ``TrainState.error_feedback`` (one local gradient
+            copy per device) and stay unchanged on a skipped step.
 
     Example::
 
@@ -144,6 +154,7 @@ class TrainConfig:
     split_leaves: bool = False
     param_dtype: Any = None
     wire_dtype: Any = None
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -163,6 +174,11 @@ class TrainConfig:
             object.__setattr__(self, "accum_dtype", dtype)
         as_axes(self.axis, "axis")
         as_axes(self.outer_axis, "outer_axis", allow_empty=True)
+        if self.error_feedback and self.reduce not in FEEDBACK_MODES:
+            raise ValueError(
+                f"error_feedback=True needs a wire whose rounding happens on the sending device; "
+                f"reduce={self.reduce!r} has none. Use one of {', '.join(FEEDBACK_MODES)} (e.g. 'int8_accum')"
+            )
         if self.scan_layers is True:
             self.check_scannable()
 
@@ -190,12 +206,15 @@ class TrainState(NamedTuple):
     ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
     ``model_state``: an nnx model's non-``nnx.Param`` state (batch statistics, RNG counters
     and keys, as raw key data), replicated and updated by every step; ``None`` for a pytree.
+    ``error_feedback``: each device's wire rounding residuals with
+    ``TrainConfig(error_feedback=True)`` (:class:`~jax_drain.feedback.ErrorFeedback`), else ``None``.
     """
 
     params: PyTree
     opt_state: DistState | None
     step: jax.Array  # int32 scalar: optimizer steps taken (skipped steps do not count)
     model_state: PyTree = None
+    error_feedback: ErrorFeedback | None = None
 
 
 class StepMetrics(NamedTuple):
@@ -294,7 +313,11 @@ class TrainStep:
             model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(model_state)
         if self.optimizer is None:  # built by the first call, which also casts the params
             return TrainState(source, None, step, model_state)
-        return TrainState(self._cast_params(source), self.optimizer.init_sharded(source), step, model_state)
+        return TrainState(self._cast_params(source), self.optimizer.init_sharded(source), step, model_state,
+                          self._init_error_feedback())
+
+    def _init_error_feedback(self) -> ErrorFeedback | None:
+        return init_error_feedback(self.sync) if self.config.error_feedback else None
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
         """One optimizer step on a global ``batch``; returns ``(new_state, metrics)``.
@@ -332,8 +355,9 @@ class TrainStep:
         whole = NamedSharding(self.mesh, P())
         model_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), self._model_state)
+        feedback = abstract_error_feedback(self.sync) if self.config.error_feedback else None
         return TrainState(params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole),
-                          model_state)
+                          model_state, feedback)
 
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
         """Writes ``state``'s parameters and other model state (batch statistics, RNG counters)
@@ -389,18 +413,22 @@ class TrainStep:
         else:
             sync = GradSync(self._abstract_params, mesh, param_specs=config.param_specs, expert=config.expert,
                             expert_axis=config.expert_axis, **options)
+        if config.error_feedback:
+            check_error_feedback(sync)
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight)
         specs = optimizer.state_specs()
+        feedback = error_feedback_specs(sync) if config.error_feedback else None
         sharded = _compat.shard_map(
             self._sharded_step, mesh=mesh,
-            in_specs=(sync.param_specs, specs, P(), sync.batch_spec),
-            out_specs=(sync.param_specs, specs, P(), P()),
+            in_specs=(sync.param_specs, specs, P(), feedback, sync.batch_spec),
+            out_specs=(sync.param_specs, specs, P(), feedback, P()),
         )
 
         def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
-            params, opt_state, model_state, metrics = sharded(state.params, state.opt_state, state.model_state, batch)
+            params, opt_state, model_state, feedback, metrics = sharded(
+                state.params, state.opt_state, state.model_state, state.error_feedback, batch)
             count = state.step + jnp.where(metrics.skipped, 0, 1).astype(jnp.int32)
-            return TrainState(params, opt_state, count, model_state), metrics
+            return TrainState(params, opt_state, count, model_state, feedback), metrics
 
         self.sync, self.optimizer = sync, optimizer
         self._jitted = jax.jit(step, donate_argnums=(0,) if config.donate else ())
@@ -434,7 +462,8 @@ class TrainStep:
         if isinstance(state, TrainState) and state.opt_state is None:
             # The master shards come from the model's own values, not from a narrower working copy.
             state = state._replace(params=self._cast_params(state.params),
-                                   opt_state=self.optimizer.init_sharded(state.params))
+                                   opt_state=self.optimizer.init_sharded(state.params),
+                                   error_feedback=self._init_error_feedback())
         self._check_state_fast(state)
         return state
 
@@ -449,17 +478,26 @@ class TrainStep:
 
         return scalar
 
-    def _sharded_step(self, params: PyTree, opt_state: DistState, model_state: PyTree, batch: PyTree):
+    def _sharded_step(
+        self, params: PyTree, opt_state: DistState, model_state: PyTree, feedback: ErrorFeedback | None, batch: PyTree,
+    ):
         config = self.config
         device = jax.lax.axis_index(self.sync.data_axes)
         loss_fn = lambda p, state, b: self._loss(p, state, b, device)
-        (loss, model_state), shards = self.sync.value_and_grad(
-            loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype, has_state=True,
-        )(params, model_state, batch)
+        grad_fn = self.sync.value_and_grad(loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype,
+                                           has_state=True, error_feedback=feedback is not None)
+        if feedback is None:
+            (loss, model_state), shards = grad_fn(params, model_state, batch)
+        else:
+            (loss, model_state), shards, residuals = grad_fn(params, feedback.residuals, model_state, batch)
         params, opt_state, report = self.optimizer.update_and_report(
             shards, opt_state, skip_nonfinite=config.skip_nonfinite, skip_grad_norm_above=config.skip_grad_norm_above)
+        if feedback is not None:
+            # A skipped step sent nothing that counts: its rounding must not be fed back either.
+            keep = lambda old, new: jnp.where(report.skipped, old, new)
+            feedback = ErrorFeedback(jax.tree.map(keep, feedback.residuals, residuals), feedback.fingerprint)
         metrics = StepMetrics(loss, report.grad_norm, report.skipped, report.nonfinite_buckets)
-        return params, opt_state, model_state, metrics
+        return params, opt_state, model_state, feedback, metrics
 
     # -- checks -----------------------------------------------------------------------------
     def _check_batch(self, batch: PyTree) -> PyTree:
@@ -488,6 +526,16 @@ class TrainStep:
             raise TypeError(f"state.opt_state must be a DistState, got {type(opt_state).__name__}")
         if opt_state.fingerprint != self.optimizer.fingerprint:
             raise ValueError(layout_mismatch(opt_state.fingerprint, self.optimizer.fingerprint))
+        feedback = state.error_feedback
+        if self.config.error_feedback != (feedback is not None):
+            raise ValueError(
+                f"this step was built with TrainConfig(error_feedback={self.config.error_feedback}) but the "
+                f"state {'has no' if feedback is None else 'has'} error-feedback residuals; use step.init() or "
+                "restore a checkpoint into step.abstract_state() (residuals missing there start from zero)"
+            )
+        if feedback is not None and feedback.fingerprint != self.sync.fingerprint:
+            raise ValueError("the state's error-feedback residuals belong to another bucket layout; "
+                             "restore it through jd.restore_checkpoint(dir, step.abstract_state()), which resets them")
 
 
 def _abstract(tree: PyTree) -> PyTree:
