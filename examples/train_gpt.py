@@ -10,10 +10,17 @@ The corpus is ``examples/data/python_docstrings.txt`` (see the README there).
     python examples/train_gpt.py --steps 600 --reduce bf16 --out runs/gpt-bf16 \\
         --compare runs/gpt runs/gpt-nodrain                                    # overlays the curves
     python examples/train_gpt.py --steps 600 --scan-layers --out runs/gpt-scan --compare runs/gpt
+    python examples/train_gpt.py --param-dtype float32 --working-dtype bfloat16 \
+        --reduce int8_accum --error-feedback --out runs/gpt-int8 --compare runs/gpt
 
 ``--scan-layers`` runs the blocks under ``nnx.scan`` over stacked parameters (same initial
 weights as the unrolled model of the same seed) and syncs them with ``ScanGradSync``: each
 layer's gradient is reduce-scattered inside the backward scan.
+
+``--param-dtype float32 --working-dtype bfloat16`` is the usual Flax model (float32 params)
+trained under a precision policy: bf16 forward, backward and all-gather, float32 master shards.
+``--reduce int8_accum --error-feedback`` sends int8 gradients with per-block scales and feeds
+each device's rounding error into its next gradient.
 
 Writes ``OUT/losses.json`` (the loss of every step) and ``OUT/loss.png``. With
 ``--checkpoint-every N`` it saves ``OUT/checkpoints`` every N steps; ``--resume`` continues from
@@ -36,7 +43,11 @@ DATA = pathlib.Path(__file__).resolve().parent / "data" / "python_docstrings.txt
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--reduce", default="fp32_accum", help="GradSync reduce mode: bf16, fp32, fp32_accum, fp32_accum_streamed")
+    p.add_argument("--reduce", default="fp32_accum",
+                   help="GradSync reduce mode: bf16, fp32, fp32_accum, fp32_accum_streamed, int8_accum, fp8_accum, "
+                        "int8_accum_streamed")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="feed each device's wire rounding error into its next gradient (lossy wires)")
     p.add_argument("--no-drain", action="store_true", help="do not chain the bucket collectives")
     p.add_argument("--scan-layers", action="store_true",
                    help="nnx.scan over the blocks; per-layer reduce-scatter inside the backward scan (ScanGradSync)")
@@ -49,7 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's own dtype")
+    p.add_argument("--working-dtype", default=None, choices=["bfloat16"],
+                   help="TrainConfig(param_dtype=...): train a float32 model with bf16 working params, "
+                        "float32 master shards")
+    p.add_argument("--wire-dtype", default=None, choices=["bfloat16"],
+                   help="TrainConfig(wire_dtype=...): the dtype gradients travel in (float32 sums)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient norm clip")
@@ -252,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     train_config = jd.TrainConfig(
         bucket_size=args.bucket_size, reduce=args.reduce, drain=not args.no_drain,
-        microbatches=args.microbatches, scan_layers=args.scan_layers,
+        microbatches=args.microbatches, scan_layers=args.scan_layers, error_feedback=args.error_feedback,
+        param_dtype=args.working_dtype, wire_dtype=args.wire_dtype,
     )
     example = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
     step_fn = jd.make_train_step(model, lambda m, b: m.loss(b), tx, mesh, train_config, example_batch=example)
@@ -296,7 +313,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     (out / "losses.json").write_text(json.dumps(losses))
     title = (f"char GPT {config.num_layers}x{config.d_model} on {args.devices} devices: reduce={args.reduce}, "
              f"drain={not args.no_drain}, microbatches={args.microbatches}, bucket_size={args.bucket_size}"
-             f"{', scan_layers' if args.scan_layers else ''}")
+             f"{', scan_layers' if args.scan_layers else ''}{', error feedback' if args.error_feedback else ''}")
     plot(losses, out, title, args.compare)
     if losses:
         head = losses[: min(10, len(losses))]

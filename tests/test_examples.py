@@ -57,6 +57,16 @@ def test_train_gpt_resume(train_gpt, drained, tmp_path):
     assert json.loads((tmp_path / "losses.json").read_text()) == uninterrupted
 
 
+def test_train_gpt_float32_model_under_a_precision_policy_with_int8_feedback(train_gpt, tmp_path):
+    """The README's precision example: a float32 model with bf16 working params, an int8 wire
+    with error feedback, next to the same policy with fp32_accum."""
+    policy = ["--steps", "4", *SMALL, "--param-dtype", "float32", "--working-dtype", "bfloat16"]
+    exact = train_gpt.main([*policy, "--out", str(tmp_path / "fp32_accum")])
+    int8 = train_gpt.main([*policy, "--reduce", "int8_accum", "--error-feedback", "--out", str(tmp_path / "int8")])
+    assert exact[-1] < exact[0]
+    np.testing.assert_allclose(int8, exact, rtol=1e-2)
+
+
 def test_train_linen():
     losses = _load("train_linen").main(["--steps", "20"])
     assert len(losses) == 20 and losses[-1] < 0.5 * losses[0]
