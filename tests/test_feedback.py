@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jax_drain as jd
 from jax_drain import _compat, models
 from jax_drain.collectives import reduce_scatter_bucket, wire_values
-from jax_drain.feedback import error_feedback_specs, init_error_feedback
+from jax_drain.feedback import abstract_error_feedback, error_feedback_specs, init_error_feedback
 
 SDS = jax.ShapeDtypeStruct
 # Leaves of very different scales sharing buckets.
@@ -214,3 +214,35 @@ def test_checkpoint_keeps_residuals_on_the_same_layout_and_restarts_them_elsewhe
     assert unfed.error_feedback is None
     with pytest.raises(ValueError, match="error-feedback residuals"):
         step(unfed, _batch(2))
+
+
+@pytest.mark.gpu_compile
+def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
+    """Compile-only 8xH100: with feedback each bucket is still one int8 all-to-all of the same
+    bytes; the residual arithmetic is local."""
+    from jax_drain.planner.schedule import parse_schedule
+    from jax_drain.planner.targets import gpu_mesh
+
+    mesh = gpu_mesh((8,), ("data",))
+    params = {f"w{i}": SDS((512, 512), jnp.bfloat16) for i in range(4)}
+    batch = SDS((8 * 64, 512), jnp.bfloat16)
+    loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w0"] @ p["w1"] @ p["w2"] @ p["w3"]).astype(jnp.float32) ** 2)
+
+    def all_to_alls(feedback):
+        sync = jd.GradSync(params, mesh, bucket_size=512 * 512, reduce="int8_accum")
+        residuals = abstract_error_feedback(sync).residuals
+        specs = error_feedback_specs(sync).residuals
+        fn = sync.value_and_grad(loss, error_feedback=feedback)
+        if feedback:
+            in_specs, out_specs, args = (P(), specs, P("data")), (P(), sync.shard_specs(), specs), (params, residuals, batch)
+        else:
+            in_specs, out_specs, args = (P(), P("data")), (P(), sync.shard_specs()), (params, batch)
+        step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+        sched = parse_schedule(step.lower(*args).compile().as_text())
+        return sorted((c.dtype, c.bytes) for c in sched.collectives
+                      if c.kind == "all-to-all" and c.in_scope("jax_drain/bucket"))
+
+    plain, fed = all_to_alls(False), all_to_alls(True)
+    assert len(plain) == 4 and {d for d, _ in plain} == {"s8"}
+    assert fed == plain
+
