@@ -9,7 +9,8 @@ combined from several buckets without a name is attributed by what feeds it), wh
 collective overlaps compute, and an approximate live-bytes curve. :func:`build_user_step` builds
 any ``loss_fn(params, batch)``'s gradient step with a :class:`Strategy` (the presets' steps and
 baselines, :func:`build_step`, are built with it; :mod:`jax_drain.planner.compare` compares them
-on your model); :func:`build_mesh_step` builds a tensor-parallel HSDP step
+on your model; ``gspmd_fsdp`` is the ZeRO-3-style baseline with params sharded by annotations,
+:func:`fsdp_spec`); :func:`build_mesh_step` builds a tensor-parallel HSDP step
 (``("replica", "data", "model")``) to plan.
 
 Python (``jax_drain.plan`` re-exports this module's public names and the targets')::
@@ -54,8 +55,9 @@ from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
 
 #: Baseline strategies; every reduce mode ``m`` adds ``m`` (undrained), ``m+drain`` (one
-#: bucket in flight) and ``m+drainK`` (K buckets in flight).
-BASELINES = ("gspmd", "gspmd+flags", "no_comm")
+#: bucket in flight) and ``m+drainK`` (K buckets in flight). ``gspmd_fsdp``: params and
+#: gradients sharded over the data axis by annotations (:func:`fsdp_spec`); XLA gathers.
+BASELINES = ("gspmd", "gspmd+flags", "no_comm", "gspmd_fsdp")
 
 
 #: Bucket chains of a :class:`GradSync` (dense, expert) or a :class:`ScanGradSync` (the
@@ -574,6 +576,15 @@ def build_user_step(
 
     * ``gspmd``/``gspmd+flags``: plain ``jax.jit(jax.grad(loss_fn))``, gradients sharded where
       their leading dimension divides; XLA places the communication.
+    * ``gspmd_fsdp``: the same ``jax.jit(jax.grad(loss_fn))`` with params *and* gradients sharded
+      over ``axis`` by annotations, as MaxText's ``fsdp`` axis does (ZeRO-3 without an
+      optimizer): each leaf along the dimension :func:`fsdp_spec` picks (its smallest one that
+      the axis size divides, ``d_model`` for a transformer's weights; never a scanned leaf's
+      layer axis; replicated when none divides), params in and gradients out with
+      that sharding, the batch split over ``axis``. XLA inserts the all-gathers (in the forward,
+      and again in a rematerialised backward) and the gradient reduce-scatters itself; no bucket
+      layout, no scope. XLA flags (combine thresholds, pipelined all-gather, ...) go in as
+      ``compiler_options``.
     * ``no_comm``: the same buckets, each reduced over its own chunks locally (drained): the
       sync's work minus the wire, the floor a gradient sync can approach.
     * ``MODE[+drain[K]][+split]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
@@ -584,6 +595,14 @@ def build_user_step(
     when the runtime has no ``split_leaves`` option.
     """
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    if strategy.name == "gspmd_fsdp":
+        n = mesh.shape[axis]
+        mask = jax.tree.map(lambda _: False, params) if stacked is None else stacked
+        shardings = jax.tree.map(lambda p, s: NamedSharding(mesh, fsdp_spec(p.shape, n, axis, bool(s))),
+                                 params, mask)
+        step = jax.jit(jax.grad(loss_fn), in_shardings=(shardings, NamedSharding(mesh, P(axis))),
+                       out_shardings=shardings)
+        return step, (params, batch), None
     if strategy.name in ("gspmd", "gspmd+flags"):
         n = mesh.shape[axis]
         grad_spec = lambda p: P(axis) if p.ndim and p.shape[0] % n == 0 else P()
@@ -634,6 +653,51 @@ def build_user_step(
         fn = sync.value_and_grad(loss_fn)
     step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
     return step, (params, batch), sync
+
+
+def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = "data", stacked: bool = False,
+              rule: str = "smallest") -> P:
+    """The ``gspmd_fsdp`` baseline's ``PartitionSpec`` of one leaf (``rule="smallest"``): its
+    smallest dimension that ``axis_size`` divides is sharded over ``axis`` (on a tie the first,
+    the most major one); a leaf with no such dimension (a scalar, an odd-sized bias) is
+    replicated. A ``stacked`` leaf's leading (layer) axis is never picked: the scan slices it
+    one layer at a time, and sharding it would make XLA gather the whole stack before the loop.
+
+    For a transformer's weights the smallest dimension is ``d_model``, the ``embed`` dimension
+    that MaxText's ``fsdp`` logical axis shards: ``qkv`` ``(d, 3d)``, ``fc_in`` ``(d, 4d)`` and
+    ``fc_out`` ``(4d, d)`` all along ``d``, norms ``(d,)`` along ``d``, ``attn/out`` ``(d, d)``
+    along its first. XLA then gathers each weight whole and keeps the activations batch-sharded
+    (plain ZeRO-3: on the GPT presets all-gathers of exactly 2x the params, forward and
+    rematerialised backward, reduce-scatters of exactly 1/axis_size of them, nothing else).
+
+    ``rule="largest"`` (the largest divisible dimension) is the other rule that needs no axis
+    names. Without activation sharding constraints (a plain ``loss_fn`` has none) XLA's
+    sharding propagation carries a weight's sharded output-feature dimension into the
+    activations: on ``gpt-blocks`` it reshards the attention with all-to-alls and computes part
+    of the gradient model-parallel (more temp bytes). Neither rule suits every model: a tied
+    embedding ``(vocab, d)`` sharded along ``d`` hands ``d``-sharded activations to the blocks
+    (``gpt-tied`` is better off with ``"largest"``, which shards the vocabulary), where
+    MaxText's activation constraints keep the batch sharding.
+
+    Example::
+
+        >>> fsdp_spec((2048, 8192), 8)
+        P('data',)
+        >>> fsdp_spec((8, 2048), 8, stacked=True)  # the layer axis is never sharded
+        P(None, 'data')
+        >>> fsdp_spec((2048, 8192), 8, rule="largest")
+        P(None, 'data')
+        >>> fsdp_spec((3,), 8)
+        P()
+    """
+    if rule not in ("smallest", "largest"):
+        raise ValueError(f"fsdp_spec: unknown rule {rule!r}; use 'smallest' or 'largest'")
+    dims = [d for d in range(1 if stacked else 0, len(shape)) if shape[d] % axis_size == 0]
+    if not dims:
+        return P()
+    sign = 1 if rule == "smallest" else -1
+    best = min(dims, key=lambda d: (sign * shape[d], d))
+    return P(*([None] * best + [axis]))
 
 
 def strategy_options(strategy: Strategy, bucket_bytes: int | None) -> dict[str, Any]:
@@ -771,8 +835,9 @@ def plan_preset(
 
     Give ``bucket_size`` (elements) or ``num_buckets`` (the report holds the real count).
     ``"gspmd+flags"`` compiles with XLA's reduce-scatter combine threshold at the bucket's
-    bytes and the latency-hiding scheduler on. XLA keeps one async collective in flight by
-    default; a drain depth K > 1 needs
+    bytes and the latency-hiding scheduler on; ``"gspmd_fsdp"`` with none (give its XLA flags
+    in ``compiler_options``; the bucket size does not reach it). XLA keeps one async collective
+    in flight by default; a drain depth K > 1 needs
     ``compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": K}``.
     """
     config = models.preset(preset) if isinstance(preset, str) else preset
