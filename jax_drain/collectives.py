@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,18 @@ def check_mode(mode: str) -> str:
     if mode not in REDUCE_MODES:
         raise ValueError(f"unknown reduce mode {mode!r}; choose one of {', '.join(REDUCE_MODES)}")
     return mode
+
+
+def check_wire_dtype(mode: str, wire_dtype: Any) -> None:
+    """Refuses a ``wire_dtype`` that changes no wire bytes in ``mode`` and only adds rounding:
+    ``"fp32"`` sends float32 whatever the bucket's dtype, the quantized modes their own 1-byte
+    payload (quantized from float32 values)."""
+    if wire_dtype is not None and (mode == "fp32" or mode in QUANTIZED_MODES):
+        raise ValueError(
+            f"wire_dtype={jnp.dtype(wire_dtype)} with reduce={mode!r} rounds the gradients without "
+            f"sending fewer bytes ({mode!r} sends {'float32' if mode == 'fp32' else 'its own 1-byte payload'}). "
+            "Leave wire_dtype=None, or use reduce='fp32_accum' for a narrower wire with float32 sums"
+        )
 
 
 def reduce_scatter_bucket(

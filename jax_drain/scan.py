@@ -85,7 +85,7 @@ from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
 from jax_drain.chain import (
     SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
 )
-from jax_drain.collectives import check_mode
+from jax_drain.collectives import check_mode, check_wire_dtype
 from jax_drain.drain import drain_depth
 from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
@@ -178,6 +178,7 @@ class ScanGradSync(ChainedSync):
         self.outer_axis = outer_axis
         self.axis_size = int(mesh.shape[axis])
         self.reduce = check_mode(reduce)
+        check_wire_dtype(self.reduce, wire_dtype)
         self.average = bool(average)
         self.drain = bool(drain)
         self.max_in_flight = drain_depth(drain, max_in_flight)

@@ -67,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
+from jax_drain.collectives import check_wire_dtype
 from jax_drain.feedback import (
     FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,
     init_error_feedback,
@@ -174,6 +175,7 @@ class TrainConfig:
             object.__setattr__(self, "accum_dtype", dtype)
         as_axes(self.axis, "axis")
         as_axes(self.outer_axis, "outer_axis", allow_empty=True)
+        check_wire_dtype(self.reduce, self.wire_dtype)
         if self.error_feedback and self.reduce not in FEEDBACK_MODES:
             raise ValueError(
                 f"error_feedback=True needs a wire whose rounding happens on the sending device; "

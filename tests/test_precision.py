@@ -51,6 +51,16 @@ def test_bf16_wire_for_float32_gradients_accumulates_in_float32():
         jd.GradSync(TREE, data_mesh(8), wire_dtype=jnp.int8)
 
 
+@pytest.mark.parametrize("reduce", ["fp32", "int8_accum", "fp8_accum", "int8_accum_streamed"])
+def test_a_wire_dtype_that_only_rounds_is_refused(reduce):
+    """fp32 sends float32 and the quantized modes their own bytes: a bf16 cast first would only
+    add error."""
+    with pytest.raises(ValueError, match="without sending fewer bytes"):
+        jd.GradSync(TREE, data_mesh(8), reduce=reduce, wire_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="without sending fewer bytes"):
+        jd.TrainConfig(reduce=reduce, wire_dtype=jnp.bfloat16)
+
+
 class MLP(nnx.Module):  # Flax's default: float32 params
     def __init__(self, rngs):
         self.a = nnx.Linear(16, 32, rngs=rngs)
