@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_drain import _compat, models
+from jax_drain import _compat, models, zero3
 from jax_drain.collectives import REDUCE_MODES
 from jax_drain.drain import sequenced_map
 from jax_drain.chain import ChainedSync
@@ -87,13 +87,16 @@ class Strategy:
     """How gradients are synchronised: a baseline or a jax_drain reduce mode and drain depth.
 
     ``split``: the ``+split`` suffix, leaves larger than a bucket split across buckets
-    (``GradSync(split_leaves=True)``, where the runtime has that option).
+    (``GradSync(split_leaves=True)``, where the runtime has that option). ``zero3``: parameters
+    sharded like the gradients and gathered bucket by bucket (:mod:`jax_drain.zero3`):
+    ``"zero3+drain"`` (``fp32_accum``), or a ``+zero3`` suffix on any mode.
     """
 
     name: str
     reduce: str | None = None  # None for baselines
     max_in_flight: int | None = None  # None: undrained
     split: bool = False
+    zero3: bool = False
 
     @property
     def is_baseline(self) -> bool:
@@ -107,6 +110,9 @@ class Strategy:
         if name in BASELINES:
             return cls(name)
         mode, *flags = name.split("+")
+        zero3 = mode == "zero3" or "zero3" in flags
+        flags = [f for f in flags if f != "zero3"]
+        mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
         match = re.fullmatch(r"drain(\d*)", flags[0]) if len(flags) == 1 else None
@@ -114,8 +120,8 @@ class Strategy:
             depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth, split)
-        known = list(BASELINES) + [f"{m}[+drain[K]][+split]" for m in REDUCE_MODES]
+            return cls(name, mode, depth, split, zero3)
+        known = list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3]" for m in REDUCE_MODES] + ["zero3[+drain[K]]"]
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -636,6 +642,14 @@ def build_user_step(
         params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
         drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
     )
+    if strategy.zero3:
+        zero3.check_shardable(sync)
+        shards = sync.pack_shards([
+            jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype)
+            for chain, k in sync.flat_chains])
+        step = jax.jit(_compat.shard_map(zero3.value_and_grad(sync, loss_fn), mesh=mesh,
+                                         in_specs=(sync.shard_specs(), P(axis)), out_specs=(P(), sync.shard_specs())))
+        return step, (shards, batch), sync
     if strategy.name == "no_comm":
         def local_step(p, b):
             loss, grads = jax.value_and_grad(loss_fn)(local_params(p, axis), b)
