@@ -231,7 +231,16 @@ def test_the_runtime_imports_neither_the_planner_nor_the_test_harness():
 ])
 def test_strategy_names(name, expected):
     s = plan.Strategy.parse(name)
-    assert (s.reduce, s.max_in_flight, s.split) == expected and s.name == name
+    assert (s.reduce, s.max_in_flight, s.split) == expected and s.name == name and not s.zero3
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("zero3", ("fp32_accum", None)), ("zero3+drain", ("fp32_accum", 1)), ("zero3+drain2", ("fp32_accum", 2)),
+    ("int8_accum+drain+zero3", ("int8_accum", 1)),
+])
+def test_zero3_strategy_names(name, expected):
+    s = plan.Strategy.parse(name)
+    assert (s.reduce, s.max_in_flight) == expected and s.zero3 and s.name == name
 
 
 @pytest.mark.parametrize("name", ["gspmd+split", "fp32_accum+split+drain", "fp32_accum+drain+drain", "fp32+"])

@@ -628,6 +628,8 @@ def build_user_step(
                 f"not available in this version: {cls.__name__} has no split_leaves option")
         extra["split_leaves"] = True
     drain = strategy.max_in_flight is not None
+    if scanned and strategy.zero3:
+        raise StrategyUnavailable("zero3 gathers the buckets of an unrolled model; scanned stacks are not supported yet")
     if scanned and strategy.name != "no_comm":
         scan_sync = ScanGradSync(
             params, mesh, axis=axis, stacked=stacked, bucket_size=bucket_size,
