@@ -577,6 +577,12 @@ class ChainedSync:
             out.extend(chain.shard(b, k) for k, b in enumerate(buckets))
         return self.pack_shards(out)
 
+    def cast_shards(self, master: Any) -> Any:
+        """Parameter shards in each bucket's dtype from float32 master shards (the sync's output
+        type): what a ZeRO-3 step keeps instead of the gathered parameters."""
+        return self.pack_shards([m.astype(chain.layout.buckets[k].dtype)
+                                 for m, (chain, k) in zip(self.flat_shards(master), self.flat_chains)])
+
     def gather_params(self, master: Any, *, max_in_flight: int | None = 1) -> PyTree:
         """The parameter tree (local blocks, their own dtypes) from float32 master shards laid
         out like the gradient shards (the sync's output type).

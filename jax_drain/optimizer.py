@@ -506,7 +506,7 @@ class DistributedOptimizer:
 
     def update_and_report(
         self, grads: Any, state: DistState, *, skip_nonfinite: bool = False,
-        skip_grad_norm_above: float | None = None,
+        skip_grad_norm_above: float | None = None, gather: bool = True,
     ) -> tuple[PyTree, DistState, "UpdateReport"]:
         """:meth:`update` that also reports the gradient and may skip the step.
 
@@ -517,7 +517,9 @@ class DistributedOptimizer:
         large gradients) leaves the master shards and ``tx`` state unchanged, bit for bit, and
         gathers the unchanged parameters; the decision is the same on every device.
 
-        Returns ``(params, state, report)``, ``report`` an :class:`UpdateReport`.
+        Returns ``(params, state, report)``, ``report`` an :class:`UpdateReport`. With
+        ``gather=False`` (ZeRO-3) ``params`` are this device's parameter shards in each bucket's
+        dtype (:meth:`~jax_drain.chain.ChainedSync.cast_shards`) instead of the gathered tree.
         """
         self.sync.require_inside_shard_map("DistributedOptimizer.update")
         self._check_local_state(state)
@@ -539,7 +541,8 @@ class DistributedOptimizer:
             master = tuple(keep(o, n) for o, n in zip(state.master, master))
             inner = jax.tree.map(keep, state.inner, inner)
         report = UpdateReport(grad_norm, nonfinite, skip)
-        return self.gather_params(master), DistState(master, inner, self.layout), report
+        params = self.gather_params(master) if gather else self.sync.cast_shards(self.sync.pack_shards(master))
+        return params, DistState(master, inner, self.layout), report
 
     def _nonfinite_buckets(self, grads: Sequence[jax.Array]) -> jax.Array:
         """How many buckets hold a non-finite gradient element on some device (int32)."""

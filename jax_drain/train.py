@@ -65,7 +65,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_drain import _compat
+from jax_drain import _compat, zero3
 from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
 from jax_drain.collectives import check_wire_dtype
 from jax_drain.feedback import (
@@ -123,6 +123,14 @@ class TrainConfig:
             reduction per shard and a scalar all-reduce. ``StepMetrics.skipped`` reports it.
         skip_grad_norm_above: also skip when the global gradient norm exceeds this (Megatron's
             check for large gradients); ``None``: never.
+        shard_params: ZeRO-3 (:mod:`jax_drain.zero3`): each device keeps only its shard of every
+            parameter bucket (in the working dtype; ``TrainState.params`` is a
+            :class:`~jax_drain.zero3.ParamShards`), and the forward gathers each bucket just
+            before its first use, at most ``gather_max_in_flight`` ahead (``"sync"``: 1). Data
+            axes and ``outer_axis`` only: refused with ``param_specs``, expert params, a scanned
+            stack's in-scan sync or error feedback. Gradients equal ZeRO-1's.
+        reshard_after_forward: with ``shard_params``, gather each bucket again in backward inside
+            the model's remat (``jax.checkpoint``) regions instead of keeping it from forward.
         error_feedback: keep each device's wire rounding error and add it to its next gradient
             (:mod:`jax_drain.feedback`), so a quantized wire's error does not accumulate over
             steps. Needs a lossy wire (``reduce="int8_accum"``, ``"fp8_accum"``,
@@ -156,6 +164,8 @@ class TrainConfig:
     param_dtype: Any = None
     wire_dtype: Any = None
     error_feedback: bool = False
+    shard_params: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -183,6 +193,15 @@ class TrainConfig:
             )
         if self.scan_layers is True:
             self.check_scannable()
+        if self.shard_params:
+            if self.param_specs is not None or self.expert is not None:
+                raise ValueError("shard_params=True shards parameters over the data axes only; tensor-parallel "
+                                 "param_specs and expert params are not supported with it yet: use shard_params=False")
+            if self.scan_layers is True:
+                raise ValueError("shard_params=True gathers buckets of whole leaves; it does not support the "
+                                 "in-scan sync of scan_layers=True yet: use scan_layers=False (or None)")
+            if self.error_feedback:
+                raise ValueError("shard_params=True does not support error_feedback yet: use one of them")
 
     def check_scannable(self) -> None:
         """Raises unless a scanned stack can sync on this mesh: ScanGradSync reduces over one
@@ -202,7 +221,9 @@ class TrainConfig:
 
 class TrainState(NamedTuple):
     """Everything a step reads and writes: parameters (replicated over the data axes, sharded by
-    ``param_specs``), sharded optimizer state, step count, and an nnx model's other state.
+    ``param_specs``; with ``TrainConfig(shard_params=True)`` a :class:`~jax_drain.zero3.ParamShards`
+    of this device's bucket shards), sharded optimizer state, step count, and an nnx model's
+    other state.
 
     ``opt_state`` is ``None`` from :meth:`TrainStep.init` only when the step was built without
     ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
@@ -315,7 +336,7 @@ class TrainStep:
             model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(model_state)
         if self.optimizer is None:  # built by the first call, which also casts the params
             return TrainState(source, None, step, model_state)
-        return TrainState(self._cast_params(source), self.optimizer.init_sharded(source), step, model_state,
+        return TrainState(self._working_params(source), self.optimizer.init_sharded(source), step, model_state,
                           self._init_error_feedback())
 
     def _init_error_feedback(self) -> ErrorFeedback | None:
@@ -350,10 +371,16 @@ class TrainStep:
                 "the step's bucket layout is not known yet: pass example_batch= to make_train_step "
                 "(or call the step once) before asking for its state layout"
             )
-        params = jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
-            self._abstract_params, self._param_specs,
-        )
+        if self.config.shard_params:
+            params = zero3.ParamShards(self.sync.pack_shards([
+                jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype,
+                                     sharding=NamedSharding(self.mesh, chain.shard_spec))
+                for chain, k in self.sync.flat_chains]), self.optimizer.layout)
+        else:
+            params = jax.tree.map(
+                lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
+                self._abstract_params, self._param_specs,
+            )
         whole = NamedSharding(self.mesh, P())
         model_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), self._model_state)
@@ -367,7 +394,8 @@ class TrainStep:
         if self._model is None:
             raise ValueError("this step was built from a params pytree, not an nnx model")
         param_state = nnx.state(model, nnx.Param)
-        nnx.replace_by_pure_dict(param_state, self.master_params(state) if self.config.param_dtype else state.params)
+        exact = self.config.param_dtype is None and not self.config.shard_params
+        nnx.replace_by_pure_dict(param_state, state.params if exact else self.master_params(state))
         nnx.update(model, param_state)
         if state.model_state is not None:
             *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
@@ -378,11 +406,17 @@ class TrainStep:
     def _param_shardings(self) -> PyTree:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
 
-    def _cast_params(self, params: PyTree) -> PyTree:
-        """The working parameters (``param_dtype``) from the model's own."""
-        if self.config.param_dtype is None:
+    def _working_params(self, params: PyTree) -> PyTree:
+        """The working parameters from the model's own: cast to ``param_dtype`` and, with
+        ``shard_params``, cut into this device's bucket shards (:class:`~jax_drain.zero3.ParamShards`)."""
+        if self.config.param_dtype is not None:
+            params = jax.jit(lambda t: _working(t, self.config.param_dtype), out_shardings=self._param_shardings)(params)
+        if not self.config.shard_params:
             return params
-        return jax.jit(lambda t: _working(t, self.config.param_dtype), out_shardings=self._param_shardings)(params)
+        sync = self.sync
+        cut = _compat.shard_map(lambda p: zero3.shard_params(sync, p), mesh=self.mesh,
+                                in_specs=(sync.param_specs,), out_specs=sync.shard_specs())
+        return zero3.ParamShards(jax.jit(cut)(params), self.optimizer.layout)
 
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
@@ -420,10 +454,15 @@ class TrainStep:
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight)
         specs = optimizer.state_specs()
         feedback = error_feedback_specs(sync) if config.error_feedback else None
+        if config.shard_params:
+            zero3.check_shardable(sync)
+            param_specs = zero3.ParamShards(sync.shard_specs(), optimizer.layout)
+        else:
+            param_specs = sync.param_specs
         sharded = _compat.shard_map(
             self._sharded_step, mesh=mesh,
-            in_specs=(sync.param_specs, specs, P(), feedback, sync.batch_spec),
-            out_specs=(sync.param_specs, specs, P(), feedback, P()),
+            in_specs=(param_specs, specs, P(), feedback, sync.batch_spec),
+            out_specs=(param_specs, specs, P(), feedback, P()),
         )
 
         def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
@@ -441,6 +480,8 @@ class TrainStep:
         if wanted is False:
             return None
         if wanted is None:
+            if self.config.shard_params:  # ZeRO-3 gathers whole-leaf buckets
+                return None
             try:
                 self.config.check_scannable()
             except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly
@@ -463,7 +504,7 @@ class TrainStep:
             self._build(batch)
         if isinstance(state, TrainState) and state.opt_state is None:
             # The master shards come from the model's own values, not from a narrower working copy.
-            state = state._replace(params=self._cast_params(state.params),
+            state = state._replace(params=self._working_params(state.params),
                                    opt_state=self.optimizer.init_sharded(state.params),
                                    error_feedback=self._init_error_feedback())
         self._check_state_fast(state)
@@ -486,14 +527,23 @@ class TrainStep:
         config = self.config
         device = jax.lax.axis_index(self.sync.data_axes)
         loss_fn = lambda p, state, b: self._loss(p, state, b, device)
-        grad_fn = self.sync.value_and_grad(loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype,
-                                           has_state=True, error_feedback=feedback is not None)
-        if feedback is None:
-            (loss, model_state), shards = grad_fn(params, model_state, batch)
+        if config.shard_params:
+            depth = 1 if config.gather_max_in_flight in ("sync", None) else config.gather_max_in_flight
+            grad_fn = zero3.value_and_grad(self.sync, loss_fn, gather_max_in_flight=depth, has_state=True,
+                                           reshard_after_forward=config.reshard_after_forward,
+                                           microbatches=config.microbatches)
+            (loss, model_state), shards = grad_fn(params.shards, model_state, batch)
         else:
-            (loss, model_state), shards, residuals = grad_fn(params, feedback.residuals, model_state, batch)
-        params, opt_state, report = self.optimizer.update_and_report(
-            shards, opt_state, skip_nonfinite=config.skip_nonfinite, skip_grad_norm_above=config.skip_grad_norm_above)
+            grad_fn = self.sync.value_and_grad(loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype,
+                                               has_state=True, error_feedback=feedback is not None)
+            if feedback is None:
+                (loss, model_state), shards = grad_fn(params, model_state, batch)
+            else:
+                (loss, model_state), shards, residuals = grad_fn(params, feedback.residuals, model_state, batch)
+        new_params, opt_state, report = self.optimizer.update_and_report(
+            shards, opt_state, skip_nonfinite=config.skip_nonfinite, skip_grad_norm_above=config.skip_grad_norm_above,
+            gather=not config.shard_params)
+        params = zero3.ParamShards(new_params, params.layout) if config.shard_params else new_params
         if feedback is not None:
             # A skipped step sent nothing that counts: its rounding must not be fed back either.
             keep = lambda old, new: jnp.where(report.skipped, old, new)
@@ -528,6 +578,12 @@ class TrainStep:
             raise TypeError(f"state.opt_state must be a DistState, got {type(opt_state).__name__}")
         if opt_state.fingerprint != self.optimizer.fingerprint:
             raise ValueError(layout_mismatch(opt_state.fingerprint, self.optimizer.fingerprint))
+        if self.config.shard_params != isinstance(state.params, zero3.ParamShards):
+            raise ValueError(
+                f"this step was built with TrainConfig(shard_params={self.config.shard_params}) but the state's "
+                f"params are {'replicated' if self.config.shard_params else 'ZeRO-3 shards'}; restore the checkpoint "
+                "into step.abstract_state(), which converts between the two"
+            )
         feedback = state.error_feedback
         if self.config.error_feedback != (feedback is not None):
             raise ValueError(

@@ -32,12 +32,19 @@ summed before its one reduce-scatter; a layout whose buckets follow the blocks a
 
 Supported: data-parallel axes (``axis``, several axes) and ``outer_axis`` (HSDP: shards are
 replicated along it, the gradient shard is all-reduced over it as usual). Tensor-parallel
-``param_specs``, expert chains and scanned stacks are refused.
+``param_specs``, expert chains and :class:`~jax_drain.ScanGradSync`'s in-scan sync are refused;
+a scanned stack synced by a :class:`~jax_drain.GradSync` is correct, but its stacked leaves are
+gathered whole before the scan (no memory saved on them).
 
-Measured on ``gpt-blocks`` (403M params, 8 remat blocks; compile-only 8xH100, planner strategy
-``zero3+drain``): arguments 100 MiB against 772 MiB replicated; temp 370 MiB at 25 buckets and
-226 MiB at 49 (208 MiB with ``gather_max_in_flight=2``), against 210 MiB temp (+100 MiB
-arguments) for XLA's own FSDP (``gspmd_fsdp``) with its best flags.
+``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
+parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of
+gathering, and checkpoints move between ZeRO-3 and replicated parameters in both directions.
+
+Measured (``benchmarks/memory.py``, compile-only 8xH100, strategy ``zero3+drain``): on
+``gpt-blocks`` (403M params, 8 remat blocks) arguments 100 MiB against 772 MiB replicated, temp
+352 MiB at 25 buckets and 226 MiB at 49; XLA's own FSDP (``gspmd_fsdp``) takes 578 MiB temp with
+default flags and 210 MiB with its best ones (+100 MiB arguments). Few large buckets cost more
+(3.1 GiB at 2 buckets): a bucket spanning several remat blocks is gathered in each of them.
 
 Example (inside ``shard_map``)::
 
@@ -49,6 +56,8 @@ Example (inside ``shard_map``)::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -60,6 +69,7 @@ from jax_drain.chain import (
     GATHER_SCOPE, SCOPE_PREFIX, BucketChain, ChainedSync, check_microbatches, split_microbatches,
 )
 from jax_drain.losses import LocalStep, pack_value, split_output
+from jax_drain.optimizer import StateLayout
 
 PyTree = Any
 
@@ -92,10 +102,16 @@ def shard_params(sync: ChainedSync, params: PyTree) -> Any:
     return sync.pack_shards(out)
 
 
-def cast_shards(sync: ChainedSync, master: Any) -> Any:
-    """Parameter shards (each bucket's dtype) from float32 master shards (the sync's output type)."""
-    return sync.pack_shards([m.astype(chain.layout.buckets[k].dtype)
-                             for m, (chain, k) in zip(sync.flat_shards(master), sync.flat_chains)])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("shards",), meta_fields=("layout",))
+@dataclasses.dataclass(frozen=True)
+class ParamShards:
+    """A ZeRO-3 train state's parameters: this device's slice of every bucket, in the parameter
+    dtype, as the sync's output type (global arrays outside ``shard_map``, split like the
+    gradient shards); a pytree. ``layout`` (static): the bucket layout they belong to, so a
+    checkpoint can move them to another mesh, bucket size, or to replicated parameters."""
+
+    shards: Any
+    layout: StateLayout
 
 
 def value_and_grad(
