@@ -12,6 +12,9 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
   or mesh: the optimizer shards are re-laid on the host through per-parameter arrays (the
   layouts in both descriptions say where every element is), then placed with the target's
   shardings. Parameters and other state restore into any sharding.
+* **ZeRO-3**: a state whose parameters are :class:`~jax_drain.zero3.ParamShards` restores into
+  a step with replicated parameters and back (and onto another layout), through
+  per-parameter arrays like the optimizer state.
 * **Error feedback**: the residuals of an :class:`~jax_drain.feedback.ErrorFeedback` are saved
   and restored with the state when the bucket layout is the same; restored into another layout
   (or into a step that has them from a checkpoint that has not) they start from zero, with a
@@ -52,6 +55,7 @@ import numpy as np
 
 from jax_drain.chain import host_from_params, host_to_params
 from jax_drain.feedback import ErrorFeedback
+from jax_drain.zero3 import ParamShards
 from jax_drain.layout import leaf_paths, path_str
 from jax_drain.optimizer import DistState
 
@@ -78,8 +82,9 @@ def state_description(state: PyTree) -> dict[str, Any]:
 
     ``leaves``: ``[key, path, shape, dtype]`` per leaf (``jax.tree.leaves`` order); ``layouts``:
     per ``DistState``, its path in the state, layout fingerprint and description; ``feedback``:
-    per ``ErrorFeedback``, its path and layout fingerprint; ``fingerprint``: a hash of the
-    leaves and the layouts.
+    per ``ErrorFeedback``, its path and layout fingerprint; ``params``: per ZeRO-3
+    ``ParamShards``, its path, layout fingerprint and description; ``fingerprint``: a hash of
+    the leaves and the layouts.
     """
     paths = leaf_paths(state)
     leaves = jax.tree.leaves(state)
@@ -92,10 +97,15 @@ def state_description(state: PyTree) -> dict[str, Any]:
         for path, s in _dist_states(state)
     ]
     feedback = [{"path": path, "fingerprint": node.fingerprint} for path, node in _nodes(state, ErrorFeedback)]
+    params = [
+        {"path": path, "fingerprint": node.layout.fingerprint, "description": node.layout.description}
+        for path, node in _nodes(state, ParamShards)
+    ]
     hashed = [described, [x["fingerprint"] for x in layouts]] + ([feedback] if feedback else [])
+    hashed += [[x["fingerprint"] for x in params]] if params else []
     digest = hashlib.sha256(json.dumps(hashed).encode()).hexdigest()[:16]
     return {"format": FORMAT_VERSION, "fingerprint": digest, "layouts": layouts, "leaves": described,
-            "feedback": feedback}
+            "feedback": feedback, "params": params}
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
@@ -268,6 +278,7 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
     by_path = {path: arrays[key] for key, path, *_ in saved["leaves"]}
     by_path.update(_relaid(saved, wanted, by_path))
     by_path.update(_feedback_restarted(saved, wanted, by_path))
+    by_path.update(_params_moved(saved, wanted, by_path))
     state = [
         jax.device_put(np.asarray(by_path[path], dtype=leaf.dtype), leaf.sharding)
         for (_, path, _, _), leaf in zip(wanted["leaves"], leaves)
@@ -317,6 +328,50 @@ def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.
     return out
 
 
+def _param_roots(description: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ZeRO-3 ``ParamShards`` of a state description, by path."""
+    return {x["path"]: x for x in description.get("params", [])}
+
+
+def _under(description: dict[str, Any], root: str) -> list[str]:
+    """The paths of the leaves below ``root``, in leaf order."""
+    return [path for _, path, *_ in description["leaves"] if path.startswith(root + "/")]
+
+
+def _param_shapes(description: dict[str, Any], root: str) -> dict[str, tuple]:
+    """Parameter path -> global shape below ``root``, from ZeRO-3 shards' layout or from the
+    replicated leaves: what must agree for one to restore into the other."""
+    node = _param_roots(description).get(root)
+    if node is None:
+        return {path[len(root) + 1:]: tuple(shape) for _, path, shape, _ in description["leaves"]
+                if path.startswith(root + "/")}
+    return {piece[0]: tuple(piece[5]) for chain in json.loads(node["description"])
+            for _, _, pieces in chain["buckets"] for piece in pieces}
+
+
+def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict:
+    """The target's parameters where they are kept in another form than saved: ZeRO-3 shards
+    re-laid onto another layout, built from replicated parameters, or replicated parameters
+    built from shards (through per-parameter arrays, as the optimizer state moves)."""
+    out: dict[str, np.ndarray] = {}
+    have, want = _param_roots(saved), _param_roots(wanted)
+    for root in sorted(have.keys() | want.keys()):
+        old, new = have.get(root), want.get(root)
+        if old is not None and new is not None and old["fingerprint"] == new["fingerprint"]:
+            continue
+        sources = _under(saved, root)
+        if old is None:
+            params = {path[len(root) + 1:]: arrays[path] for path in sources}
+        else:
+            params = host_to_params(json.loads(old["description"]), [arrays[p] for p in sources])
+        if new is None:
+            out.update({path: params[path[len(root) + 1:]] for path in _under(wanted, root)})
+        else:
+            # float32 holds every parameter dtype's values; each leaf is cast to its own on placement.
+            out.update(zip(_under(wanted, root), host_from_params(json.loads(new["description"]), params, np.float32)))
+    return out
+
+
 def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple, str]]:
     """Every error-feedback leaf's path -> (its ErrorFeedback's fingerprint, shape, dtype)."""
     nodes = [(x["path"] + "/", x["fingerprint"]) for x in description.get("feedback", [])]
@@ -362,13 +417,17 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two state descriptions differ at most in their DistStates' layouts and their
     error feedback: every other leaf has the same path, shape and dtype, and the shard sets are
     the same."""
+    roots = _param_roots(a).keys() | _param_roots(b).keys()
+
     def plain(description: dict[str, Any]) -> dict[str, tuple]:
         shards = {p for paths in _shard_sets(description).values() for p in paths}
         shards |= _feedback_leaves(description).keys()
+        shards |= {p for root in roots for p in _under(description, root)}
         return {path: (tuple(shape), dtype) for _, path, shape, dtype in description["leaves"] if path not in shards}
 
     return (plain(a) == plain(b) and _shard_sets(a).keys() == _shard_sets(b).keys()
-            and [x["path"] for x in a["layouts"]] == [x["path"] for x in b["layouts"]])
+            and [x["path"] for x in a["layouts"]] == [x["path"] for x in b["layouts"]]
+            and all(_param_shapes(a, root) == _param_shapes(b, root) for root in roots))
 
 
 def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
