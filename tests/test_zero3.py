@@ -3,6 +3,8 @@ gradients equal to GradSync's on the gathered parameters, the reduce-scatter cha
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,97 @@ def test_gpu_schedule_gathers_each_bucket_at_its_use_and_keeps_the_chain():
     # Backward gathers again inside each block (the last block's may be reused from forward).
     assert found[True][0] >= 2 * n - 1
     assert found[True][1] < found[False][1]
+
+
+# -- the train step ------------------------------------------------------------------------------
+
+
+def _train(case, shard_params, cpu_devices, batches, **config):
+    from test_train_meshes import _step
+
+    case = dataclasses.replace(case, config={**case.config, **config, "shard_params": shard_params})
+    params = case.params(np.random.default_rng(0))
+    step = _step(case, params, batches[0], cpu_devices)
+    state, losses = step.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics.loss))
+    return step, state, losses
+
+
+@pytest.mark.parametrize("kind", ["dense", "replica_data", "scanned"])
+def test_train_step_with_shard_params_equals_zero1(kind, cpu_devices):
+    """AdamW + clip + decay mask: the losses and master weights of shard_params=True equal
+    shard_params=False's bit for bit (dense; replica x data with micro-batches; a scanned stack
+    with an outer axis, its stacked leaves in whole-leaf buckets), and the state holds each
+    parameter bucket once over the data axes."""
+    from test_train_meshes import CASES, STEPS, Case, _batches, _dense_params, dense_reference_loss
+
+    cases = {
+        "dense": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((8,), ("data",)), {}),
+        "replica_data": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((2, 4), ("replica", "data")),
+                             dict(outer_axis="replica", microbatches=2)),
+        "scanned": dataclasses.replace(CASES["scanned_outer"], config={**CASES["scanned_outer"].config,
+                                                                        "scan_layers": False}),
+    }
+    batches = _batches(1, STEPS)
+    step1, state1, losses1 = _train(cases[kind], False, cpu_devices, batches)
+    step3, state3, losses3 = _train(cases[kind], True, cpu_devices, batches)
+    assert isinstance(state3.params, zero3.ParamShards)
+    masters = zip(jax.tree.leaves(step3.master_params(state3)), jax.tree.leaves(step1.master_params(state1)))
+    if kind == "dense":
+        assert losses3 == losses1
+        for a, b in masters:
+            np.testing.assert_array_equal(a, b)
+    else:  # micro-batches: ZeRO-3 reduces each one and sums the shards, ZeRO-1 sums first
+        np.testing.assert_allclose(losses3, losses1, rtol=1e-6)
+        for a, b in masters:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    data = 4 if kind != "dense" else 8  # devices along the axis the shards are split over
+    held = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(state3.params))
+    replicated = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(state1.params))
+    assert held * data <= replicated + 128 * data * step3.sync.num_buckets  # padding only
+
+
+@pytest.mark.parametrize("move", ["zero1_to_zero3", "zero3_to_zero1", "zero3_to_4_devices"])
+def test_checkpoints_move_between_zero1_and_zero3(move, cpu_devices, tmp_path):
+    from test_train_meshes import Case, _batches, _dense_params, _step, dense_reference_loss
+
+    case = Case(_dense_params, dense_reference_loss, dense_reference_loss, ((8,), ("data",)), {})
+    params = case.params(np.random.default_rng(0))
+    batches = _batches(2, 5)
+    src_sharded, dst_sharded, devices = {"zero1_to_zero3": (False, True, 8), "zero3_to_zero1": (True, False, 8),
+                                         "zero3_to_4_devices": (True, True, 4)}[move]
+    source = _step(dataclasses.replace(case, config={"shard_params": src_sharded}), params, batches[0], cpu_devices)
+    state = source.init(params)
+    for batch in batches[:3]:
+        state, _ = source(state, batch)
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    continued = []
+    for batch in batches[3:]:
+        state, metrics = source(state, batch)
+        continued.append(float(metrics.loss))
+    target_case = dataclasses.replace(case, mesh=((devices,), ("data",)), config={"shard_params": dst_sharded})
+    target = _step(target_case, params, batches[0], cpu_devices[:devices])
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", target.abstract_state())
+    assert isinstance(restored.params, zero3.ParamShards) == dst_sharded
+    resumed = []
+    for batch in batches[3:]:
+        restored, metrics = target(restored, batch)
+        resumed.append(float(metrics.loss))
+    if devices == 8:
+        assert resumed == continued  # the same layout: bit for bit
+    else:
+        np.testing.assert_allclose(resumed, continued, rtol=1e-5)
+    if dst_sharded != src_sharded:  # a state of the other kind is refused, naming the switch
+        with pytest.raises(ValueError, match="shard_params"):
+            source(restored, batches[0])
+
+
+def test_train_config_refuses_what_shard_params_does_not_support():
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        jd.TrainConfig(shard_params=True, param_specs={"w": P(None, "model")})
+    with pytest.raises(ValueError, match="scan_layers"):
+        jd.TrainConfig(shard_params=True, scan_layers=True)
+    with pytest.raises(ValueError, match="error_feedback"):
+        jd.TrainConfig(shard_params=True, reduce="int8_accum", error_feedback=True)
