@@ -15,9 +15,32 @@ whether they overlap compute). Strategies:
   drained (one bucket in flight) or K buckets in flight (compiled with XLA's parallel
   collective overlap limit raised to K, without which XLA keeps one in flight).
 
+Parameter sharding (ZeRO-3), where the point is argument memory, not temp:
+
+* ``zero3+drain`` / ``zero3+drain2``: :mod:`jax_drain.zero3` (planner strategy ``zero3``):
+  each device holds its shard of every parameter bucket, gathered at its first use; gradients
+  reduced by the drained ``fp32_accum`` chain, one (two) buckets in flight. Refused on a
+  scanned stack (``StrategyUnavailable``): recorded as an unavailable row.
+* ``gspmd_fsdp``: params and gradients sharded by annotations, XLA gathers (planner
+  ``gspmd_fsdp``), XLA's default flags; ``gspmd_fsdp+best_flags``: the same with the flag set
+  that had the lowest temp + arguments in ``benchmarks/fsdp_baseline.py``
+  (:data:`BEST_FSDP_FLAGS`). Neither depends on the bucket count: compiled once per preset.
+
+Every row records XLA's temp, argument and output bytes; the parameter-sharding table shows
+temp, arguments and temp + arguments.
+
 Run ``python benchmarks/memory.py --out benchmarks/results`` for the full table (markdown,
 JSON and a PNG); ``--json FILE`` writes only the rows. It takes a while: each compile is a
-few seconds on 2 cores.
+few seconds on 2 cores. ``--merge`` compiles only ``--strategies`` and merges their rows into
+the previous rows (``<out>/memory.json``; a row of the same preset, strategy and bucket count
+is replaced), then renders all of them, e.g.::
+
+    python benchmarks/memory.py --presets gpt-blocks,gpt-tied \\
+        --strategies zero3+drain,zero3+drain2,gspmd_fsdp,gspmd_fsdp+best_flags --merge --out benchmarks/results
+    python benchmarks/memory.py --presets gpt-blocks-scan --buckets 7,28 \\
+        --strategies zero3+drain,zero3+drain2,gspmd_fsdp,gspmd_fsdp+best_flags --merge --out benchmarks/results
+
+``--from-json FILE --out DIR`` re-renders rows without compiling.
 """
 
 from __future__ import annotations
@@ -43,21 +66,68 @@ STRATEGIES = (
     "fp32_accum_streamed", "fp32_accum_streamed+drain",
 )
 DEPTH_STRATEGIES = ("fp32_accum+drain2", "fp32_accum+drain4")
-DEPTH_COUNTS = (14, 28)
+DEPTH_COUNTS = (14, 28)  # bucket counts of DEPTH_STRATEGIES (zero3+drainK runs at every count)
+ZERO3_STRATEGIES = ("zero3+drain", "zero3+drain2")
+FSDP_STRATEGIES = ("gspmd_fsdp", "gspmd_fsdp+best_flags")
+#: The parameter-sharding table's rows: replicated params (jax_drain's ZeRO-2), ZeRO-3, XLA's FSDP.
+SHARDING_STRATEGIES = ("fp32_accum+drain",) + ZERO3_STRATEGIES + FSDP_STRATEGIES
+#: Compiled once per preset (XLA decides the collectives; no bucket layout): one row per preset.
+ONCE = ("gspmd", "gspmd_fsdp", "gspmd_fsdp+best_flags")
+
+_LHS = "xla_gpu_enable_latency_hiding_scheduler"
+_AG, _RS = "xla_gpu_all_gather_combine_threshold_bytes", "xla_gpu_reduce_scatter_combine_threshold_bytes"
+#: ``gspmd_fsdp+best_flags``: the flag set of ``benchmarks/fsdp_baseline.py`` (its name there)
+#: with the lowest temp + arguments (benchmarks/results/fsdp_baseline.md), by whether the blocks
+#: are scanned: searched on gpt-blocks and gpt-blocks-scan; gpt-tied (not searched there) gets
+#: gpt-blocks' set.
+BEST_FSDP_FLAGS = {
+    False: ("lhs+combine_0", {_LHS: True, _AG: 0, _RS: 0}),
+    True: ("lhs+combine_128M/64M", {_LHS: True, _AG: 128 * 2**20, _RS: 64 * 2**20}),
+}
+
+
+def _unavailable(row: dict) -> bool:
+    return row.get("available") is False
+
+
+def _key(row: dict) -> tuple:
+    """A row's identity for --merge: preset, strategy and (unless compiled once) bucket count."""
+    once = row["strategy"] in ONCE
+    return row["preset"], row["strategy"], None if once else row["requested_buckets"]
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each row that ``new`` has again replaced in place, then ``new``'s others."""
+    fresh = {_key(r): r for r in new}
+    merged = [fresh.pop(_key(r), r) for r in old]
+    return merged + [r for r in new if _key(r) in fresh]
 
 
 def run_one(preset: str, config, strategy: str, buckets: int, target: str, topology: str) -> dict:
-    options = None
-    depth = plan.Strategy.parse(strategy).max_in_flight
+    """One compile's row; a strategy the planner refuses (``StrategyUnavailable``) gives a row
+    with ``available: False`` and the reason in ``unavailable`` instead of the numbers."""
+    options, extra = None, {}
+    planned = strategy
+    if strategy == "gspmd_fsdp+best_flags":
+        planned = "gspmd_fsdp"
+        flag_set, options = BEST_FSDP_FLAGS[bool(config.scan_layers)]
+        extra = {"flag_set": flag_set, "xla_options": dict(options)}
+    depth = plan.Strategy.parse(planned).max_in_flight
     if depth and depth > 1:
         options = {"xla_gpu_experimental_parallel_collective_overlap_limit": depth}
-    report = plan.plan_preset(config, strategy, target=target, topology=topology,
-                              num_buckets=buckets, compiler_options=options)
+    common = dict(preset=preset, requested_buckets=buckets, max_in_flight=depth,
+                  params=config.num_params(), layers=config.num_layers, d_model=config.d_model,
+                  seq=config.seq_len, **extra)
+    try:
+        report = plan.plan_preset(config, planned, target=target, topology=topology,
+                                  num_buckets=buckets, compiler_options=options)
+    except plan.StrategyUnavailable as e:
+        return {"strategy": strategy, "available": False, "unavailable": str(e), "target": target,
+                "topology": topology, "num_buckets": None, "temp_bytes": None, "argument_bytes": None,
+                "output_bytes": None, **common}
     row = report.to_json()
     del row["collectives"]
-    row.update(preset=preset, requested_buckets=buckets, max_in_flight=depth,
-               params=config.num_params(), layers=config.num_layers, d_model=config.d_model,
-               seq=config.seq_len)
+    row.update(strategy=strategy, **common)
     return row
 
 
@@ -66,6 +136,9 @@ def mib(b: int) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
+    """The temp tables (one per preset; the parameter-sharding strategies have their own)."""
+    new = set(ZERO3_STRATEGIES + FSDP_STRATEGIES)
+    rows = [r for r in rows if r["strategy"] not in new and not _unavailable(r)]
     out = []
     for preset in dict.fromkeys(r["preset"] for r in rows):
         mine = [r for r in rows if r["preset"] == preset]
@@ -90,6 +163,127 @@ def markdown(rows: list[dict]) -> str:
             out.append(f"| {s} | " + " | ".join(cells) + f" | {overlap} |")
         out.append("")
     return "\n".join(out)
+
+
+def _cell(r: dict | None, real: bool = True) -> str:
+    if r is None:
+        return ""
+    if _unavailable(r):
+        return "unavailable"
+    t, a = r["temp_bytes"], r["argument_bytes"]
+    buckets = f" ({r['num_buckets'] or '-'})" if real else ""
+    return f"{mib(t)} + {mib(a)} = **{mib(t + a)}**{buckets}"
+
+
+def sharding_markdown(rows: list[dict]) -> str:
+    """The parameter-sharding table: ZeRO-3 (jax_drain.zero3) vs XLA's FSDP vs replicated params,
+    temp + arguments per preset and bucket count."""
+    mine_all = [r for r in rows if r["strategy"] in SHARDING_STRATEGIES]
+    if not any(r["strategy"] != "fp32_accum+drain" for r in mine_all):
+        return ""
+    out = ["## parameter sharding: ZeRO-3 vs XLA FSDP\n",
+           "One training step (forward, backward, gradient sync; no optimizer), micro-batch 1, bf16 params, "
+           "compile-only 8x H100. Each cell: XLA temp MiB + argument MiB = **temp + arguments** MiB per "
+           "device (real buckets in brackets); arguments are what the step holds as inputs (the params, "
+           "replicated or sharded, and the batch), so they are where ZeRO-3 saves. Outputs (the gradient "
+           "shards) are not counted: float32 shards for fp32_accum+drain and zero3 "
+           "(2x the bf16 shards gspmd_fsdp returns).\n",
+           "* `fp32_accum+drain`: jax_drain's drained gradient sync with replicated params (ZeRO-2: "
+           "every device holds all params), the rows of the table above.",
+           "* `zero3+drain` / `zero3+drain2`: `jax_drain.zero3`, params held as bucket shards, each bucket "
+           "all-gathered at its first use (inside each remat block: gathered again in the backward), "
+           "gradients through the drained fp32_accum chain, one / two buckets in flight (`drain2` compiled "
+           "with `xla_gpu_experimental_parallel_collective_overlap_limit=2`).",
+           "* `gspmd_fsdp`: params and gradients sharded by annotations (`fsdp_spec`, `d_model`), XLA "
+           "inserts the gathers and reduce-scatters; XLA's default flags.",
+           "* `gspmd_fsdp+best_flags`: the same with the flag set of `benchmarks/fsdp_baseline.py` with the "
+           "lowest temp + arguments (benchmarks/results/fsdp_baseline.md): "
+           + "; ".join(f"{'scanned' if scanned else 'unrolled'} presets `{name}` = `{json.dumps(opts)}`"
+                       for scanned, (name, opts) in BEST_FSDP_FLAGS.items())
+           + " (found on gpt-blocks and gpt-blocks-scan; gpt-tied was not searched there and gets gpt-blocks' set).",
+           "* `gspmd_fsdp` rows do not depend on the bucket count: each is compiled once per preset and its "
+           "value repeated in every column (marked *).",
+           "* columns: requested bucket counts; overlap: async collective pairs with compute between start and "
+           "done / pairs, at the largest bucket count (zero3: its parameter all-gathers and gradient "
+           "reduce-scatters; gspmd_fsdp: every collective of the program).\n"]
+    for preset in dict.fromkeys(r["preset"] for r in mine_all):
+        mine = [r for r in mine_all if r["preset"] == preset]
+        if all(r["strategy"] == "fp32_accum+drain" for r in mine):
+            continue
+        counts = sorted({r["requested_buckets"] for r in mine if r["strategy"] not in ONCE})
+        first = next(r for r in rows if r["preset"] == preset and not _unavailable(r))
+        out.append(f"### {preset}: {first['params'] / 1e6:.0f}M params, {first['layers']} blocks"
+                   f"{' scanned' if preset.endswith('-scan') else ''}, d_model {first['d_model']}, "
+                   f"seq {first['seq']}\n")
+        out.append("| strategy | " + " | ".join(str(c) for c in counts) + " | overlap |")
+        out.append("|---" + "|---:" * len(counts) + "|---|")
+        reasons = {}
+        for s in SHARDING_STRATEGIES:
+            by_count = {r["requested_buckets"]: r for r in mine if r["strategy"] == s}
+            if not by_count:
+                continue
+            if s in ONCE:
+                r = next(iter(by_count.values()))
+                cells = [_cell(r, real=False) + (" *" if not _unavailable(r) else "") for _ in counts]
+            else:
+                cells = [_cell(by_count.get(c)) for c in counts]
+            last = by_count[max(by_count)]
+            if _unavailable(last):
+                reasons[s] = last["unavailable"]
+                overlap = "-"
+            else:
+                overlap = f"{last['overlapped']}/{last['pairs']}" if last["pairs"] else "-"
+            out.append(f"| {s} | " + " | ".join(cells) + f" | {overlap} |")
+        out.append("")
+        out.extend(f"{s} unavailable: {why}" for s, why in reasons.items())
+        if reasons:
+            out.append("")
+    return "\n".join(out)
+
+
+def sharding_targets(rows: list[dict]) -> list[str]:
+    """ZeRO-3's targets at 24+ requested buckets, per preset: its argument bytes <= 0.2 x the
+    replicated (fp32_accum+drain) ones, and its temp + arguments <= XLA FSDP's."""
+    lines = ["parameter sharding targets (at 24+ requested buckets):"]
+    ta = lambda r: r["temp_bytes"] + r["argument_bytes"]
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        def pick(s, c=None):
+            return next((r for r in rows if r["preset"] == preset and r["strategy"] == s
+                         and (c is None or r["requested_buckets"] == c)), None)
+        z3 = [r for r in rows if r["preset"] == preset and r["strategy"] == "zero3+drain"]
+        if not z3:
+            continue
+        fsdp = {s: pick(s) for s in FSDP_STRATEGIES}
+        for r in sorted(z3, key=lambda r: r["requested_buckets"]):
+            c = r["requested_buckets"]
+            if c < 24:
+                continue
+            if _unavailable(r):
+                lines.append(f"  {preset} at {c} requested buckets: zero3+drain unavailable ({r['unavailable']}): "
+                             "no target can be checked")
+                continue
+            lines.append(f"  {preset} at {c} requested ({r['num_buckets']} real) buckets:")
+            rep = pick("fp32_accum+drain", c)
+            if rep and not _unavailable(rep):
+                ratio = r["argument_bytes"] / rep["argument_bytes"]
+                verdict = (f"met ({0.2 - ratio:.3f} under)" if ratio <= 0.2 else f"MISSED by {ratio - 0.2:.3f}")
+                lines.append(f"    args zero3+drain / fp32_accum+drain = {mib(r['argument_bytes'])} / "
+                             f"{mib(rep['argument_bytes'])} MiB = {ratio:.3f} (target <= 0.2): {verdict}")
+            else:
+                lines.append(f"    args ratio: no fp32_accum+drain row at {c} buckets")
+            for s, f in fsdp.items():
+                if f is None or _unavailable(f):
+                    lines.append(f"    temp+args vs {s}: no {s} row")
+                    continue
+                mine, theirs = ta(r), ta(f)
+                verdict = (f"met ({mib(theirs - mine)} MiB under)" if mine <= theirs
+                           else f"MISSED by {mib(mine - theirs)} MiB (+{(mine / theirs - 1) * 100:.0f}%)")
+                lines.append(f"    temp+args zero3+drain {mib(mine)} MiB vs {s} {mib(theirs)} MiB = "
+                             f"{mine / theirs:.2f} (target <= 1): {verdict}")
+            z2 = pick("zero3+drain2", c)
+            if z2 and not _unavailable(z2):
+                lines.append(f"    (zero3+drain2: temp+args {mib(ta(z2))} MiB)")
+    return lines if len(lines) > 1 else []
 
 
 def largest_bucket(row: dict) -> int:
@@ -150,11 +344,18 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     presets = list(dict.fromkeys(r["preset"] for r in rows))
+    sharding = [r for r in rows if r["strategy"] in SHARDING_STRATEGIES]
+    new = set(ZERO3_STRATEGIES + FSDP_STRATEGIES)
+    has_sharding = any(r["strategy"] in new for r in sharding)
+    rows = [r for r in rows if r["strategy"] not in new and not _unavailable(r)]
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     cmap = plt.get_cmap("tab20")
     color = {s: cmap(i % 20) for i, s in enumerate(strategies)}  # one colour per strategy, all panels
-    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets) + 2, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1 + has_sharding, len(presets), figsize=(6 * len(presets) + 2, 4.5 * (1 + has_sharding)),
+                             squeeze=False)
     handles = {}
+    if has_sharding:
+        plot_sharding(sharding, presets, axes[1])
     for ax, preset in zip(axes[0], presets):
         mine = [r for r in rows if r["preset"] == preset]
         for s in dict.fromkeys(r["strategy"] for r in mine):
@@ -172,17 +373,52 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{preset}: one step on 8x H100 (compile-only)", fontsize=10)
         ax.grid(alpha=0.3)
     fig.legend([handles[s] for s in strategies if s in handles], [s for s in strategies if s in handles],
-               fontsize=7, loc="center right")
-    fig.subplots_adjust(right=0.85)
+               fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.95 if has_sharding else 0.7))
+    fig.subplots_adjust(right=0.85, hspace=0.35)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot_sharding(rows: list[dict], presets: list[str], axes) -> None:
+    """The parameter-sharding panels: temp + arguments by bucket count; gspmd_fsdp (compiled
+    once) as horizontal lines; an unavailable strategy named in the panel."""
+    styles = {"fp32_accum+drain": dict(color="tab:blue", ls="-", marker="o"),
+              "zero3+drain": dict(color="tab:red", ls="-", marker="s"),
+              "zero3+drain2": dict(color="tab:orange", ls="-", marker="^"),
+              "gspmd_fsdp": dict(color="black", ls=":"),
+              "gspmd_fsdp+best_flags": dict(color="tab:green", ls="-.")}
+    for ax, preset in zip(axes, presets):
+        mine = [r for r in rows if r["preset"] == preset]
+        gone = []
+        for s in SHARDING_STRATEGIES:
+            these = [r for r in mine if r["strategy"] == s]
+            ok = [r for r in these if not _unavailable(r)]
+            if these and not ok:
+                gone.append(s)
+            if not ok:
+                continue
+            total = lambda r: (r["temp_bytes"] + r["argument_bytes"]) / 2**20
+            if s in ONCE:
+                ax.axhline(total(ok[0]), lw=1.2, label=f"{s} (any bucket count)", **styles[s])
+                continue
+            pts = sorted((r["num_buckets"] or r["requested_buckets"], total(r)) for r in ok)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=s, **styles[s])
+        if gone:
+            ax.text(0.02, 0.03, "unavailable here: " + ", ".join(gone), transform=ax.transAxes, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("real buckets")
+        ax.set_ylabel("XLA temp + argument MiB per device")
+        ax.set_title(f"{preset}: parameter sharding, temp + arguments", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="best")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="gpt-blocks,gpt-tied", help="comma-separated model presets")
     p.add_argument("--buckets", default=",".join(map(str, BUCKET_COUNTS)), help="requested bucket counts")
-    p.add_argument("--strategies", default=",".join(STRATEGIES + DEPTH_STRATEGIES))
+    p.add_argument("--strategies", default=",".join(STRATEGIES + DEPTH_STRATEGIES + ZERO3_STRATEGIES + FSDP_STRATEGIES))
     p.add_argument("--depth-buckets", default=",".join(map(str, DEPTH_COUNTS)),
                    help="bucket counts for the +drainK (K > 1) strategies")
     p.add_argument("--layers", type=int), p.add_argument("--d-model", type=int)
@@ -191,11 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--out", metavar="DIR", help="write memory.md, memory.json and memory.png here")
     p.add_argument("--from-json", metavar="FILE", help="re-render a previous run's rows; compile nothing")
+    p.add_argument("--merge", metavar="FILE", nargs="?", const="",
+                   help="merge this run's rows into a previous run's (FILE, default <out>/memory.json): "
+                        "rows of the same preset, strategy and bucket count are replaced, the rest kept")
     args = p.parse_args(argv)
     if args.from_json:
         rows = json.loads(Path(args.from_json).read_text())
         report(rows, args.out, args.json)
         return 0
+    previous: list[dict] = []
+    if args.merge is not None:
+        source = args.merge or (str(Path(args.out) / "memory.json") if args.out else args.json)
+        if not source or not Path(source).exists():
+            p.error(f"--merge: no previous rows to merge into ({source or 'give FILE or --out'})")
+        previous = json.loads(Path(source).read_text())
 
     counts = [int(c) for c in args.buckets.split(",")]
     depth_counts = [int(c) for c in args.depth_buckets.split(",")]
@@ -204,18 +449,26 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         config = plan.preset_config(preset, args.layers, args.d_model, args.heads, args.seq)
         for strategy in args.strategies.split(","):
-            depth = plan.Strategy.parse(strategy).max_in_flight
-            # XLA decides gspmd's collectives: one compile stands for every bucket count.
-            these = counts[:1] if strategy == "gspmd" else (
-                [c for c in counts if c in depth_counts] if depth and depth > 1 else counts)
+            parsed = plan.Strategy.parse(strategy.removesuffix("+best_flags"))
+            depth = parsed.max_in_flight
+            # XLA decides gspmd's (and gspmd_fsdp's) collectives: one compile stands for every bucket count.
+            these = counts[:1] if strategy in ONCE else (
+                [c for c in counts if c in depth_counts] if depth and depth > 1 and not parsed.zero3 else counts)
             for c in these:
                 row = run_one(preset, config, strategy, c, args.target, args.topology)
                 rows.append(row)
+                if _unavailable(row):
+                    print(f"{preset:10s} {strategy:28s} buckets {c:3d} unavailable: {row['unavailable']}", flush=True)
+                    continue
                 print(f"{preset:10s} {strategy:28s} buckets {c:3d} ({row['num_buckets'] or '-':>3}) "
-                      f"temp {mib(row['temp_bytes']):>6} MiB  pairs {row['pairs']:4d} "
+                      f"temp {mib(row['temp_bytes']):>6} MiB  args {mib(row['argument_bytes']):>6} MiB  "
+                      f"out {mib(row['output_bytes']):>5} MiB  pairs {row['pairs']:4d} "
                       f"overlapped {row['overlapped']:4d}  in flight {row['buckets_in_flight']}  "
                       f"compile {row['compile_s']:.1f} s", flush=True)
     print(f"{len(rows)} compiles in {time.perf_counter() - start:.0f} s")
+    if args.merge is not None:
+        rows = merge_rows(previous, rows)
+        print(f"merged: {len(rows)} rows")
     report(rows, args.out, args.json)
     return 0
 
@@ -224,14 +477,20 @@ def report(rows: list[dict], out_dir: str | None, json_path: str | None) -> None
     """Prints the table and the targets; writes JSON, markdown and the plot where asked."""
     table = markdown(rows)
     summary = targets(rows)
+    sharding, sharding_summary = sharding_markdown(rows), sharding_targets(rows)
     print("\n" + table + "\n" + "\n".join(summary))
+    if sharding:
+        print("\n" + sharding + "\n" + "\n".join(sharding_summary))
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "memory.json").write_text(json.dumps(rows, indent=1))
-        (out / "memory.md").write_text(table + "\n```\n" + "\n".join(summary) + "\n```\n")
+        text = table + "\n```\n" + "\n".join(summary) + "\n```\n"
+        if sharding:
+            text += "\n" + sharding + "\n```\n" + "\n".join(sharding_summary) + "\n```\n"
+        (out / "memory.md").write_text(text)
         plot(rows, out / "memory.png")
 
 
