@@ -392,6 +392,14 @@ class ChainedSync:
         """Inverse of :meth:`flat_shards`: one entry per bucket -> the sync's output type."""
         raise NotImplementedError
 
+    def sharded_grad(self, loss_fn: Callable, has_aux: bool, has_state: bool, shards: Sequence[jax.Array],
+                     state: Any, args: tuple, kwargs: dict, *, gather_max_in_flight: int,
+                     reshard_after_forward: bool) -> tuple[Any, list]:  # pragma: no cover - abstract
+        """ZeRO-3, per sync kind: one micro-batch's ``(LocalStep, flat float32 gradient shards)``
+        from this device's parameter shards ``shards`` (flat order), gathering the parameters
+        as the loss needs them (:mod:`jax_drain.zero3`)."""
+        raise NotImplementedError
+
     # -- layout -----------------------------------------------------------------------------
     @property
     def treedef(self) -> Any:

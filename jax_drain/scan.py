@@ -86,8 +86,9 @@ from jax_drain.chain import (
     SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
 )
 from jax_drain.collectives import check_mode, check_wire_dtype
-from jax_drain.drain import drain_depth
+from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.feedback import check_error_feedback
+from jax_drain import zero3
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, pack_value, split_output
 from jax_drain.mesh import as_axes, check_mesh, place_leaves
@@ -380,9 +381,15 @@ class ScanGradSync(ChainedSync):
     def _divisor(self) -> int:
         return self.data_size if self.average else 1
 
-    def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, residuals, args, kwargs):
+    def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, residuals, args, kwargs,
+                             rows=None, reshard=True):
         """This device's :class:`~jax_drain.losses.LocalStep`, the shards and (with
-        ``residuals``) the new residuals, the layer scan rewritten (module doc)."""
+        ``residuals``) the new residuals, the layer scan rewritten (module doc).
+
+        ``rows`` (ZeRO-3): this device's parameter shards of every layer bucket,
+        ``[num_layers, size]``; the stacked entries of ``local`` are then only traced, and each
+        layer's parameters are gathered from its rows inside the scan body (again in backward
+        with ``reshard``)."""
         flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
         num_params = len(local)
 
@@ -404,7 +411,7 @@ class ScanGradSync(ChainedSync):
 
         def differentiable(rest_leaves, dummies, layer_residuals):
             inputs = self._merge_leaves(stacked_values, rest_leaves)
-            rewriter = _ScanRewriter(self, stacked_values, dummies, layer_residuals)
+            rewriter = _ScanRewriter(self, stacked_values, dummies, layer_residuals, rows, reshard)
             rewriters.append(rewriter)
             outs = rewriter.eval(closed.jaxpr, closed.consts, [*inputs, *flat_args], tracked)
             step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
@@ -456,6 +463,28 @@ class ScanGradSync(ChainedSync):
         if weighted[0]:  # sums: finish() divides by the global count
             return LocalStep(total, count, aux, state), acc, residuals
         return LocalStep(total / k, None, aux, state), jax.tree.map(lambda s: s / k, acc), residuals
+
+    def sharded_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
+                     gather_max_in_flight: int, reshard_after_forward: bool):
+        """ZeRO-3 (:func:`jax_drain.zero3.value_and_grad`): one micro-batch's
+        :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards.
+        Each layer is gathered from its rows inside the scan body and reduce-scattered in its
+        backward; the other leaves are gathered once, before the loss."""
+        del gather_max_in_flight  # one layer's buckets are gathered together, at the top of its body
+        parts = self.per_chain(shards)
+        rows, rest = parts[0], (parts[1] if len(parts) > 1 else ())
+        local: list[Any] = [None] * len(self.placements)
+        for i in self._stacked:  # traced only: the scan takes the rows instead
+            pl = self.placements[i]
+            local[i] = _compat.mark_varying(jnp.zeros(pl.local_shape, pl.dtype), pl.reduce_axes + self.outer_axes)
+        if self._others is not None:
+            others = self._others
+            gathered = sequenced_map(lambda k, shard: others.gather(k, shard), rest, 1)
+            for i, leaf in zip(others.leaves, others.unflatten(gathered)):
+                local[i] = _compat.mark_varying(leaf, self.placements[i].reduce_axes + self.outer_axes)
+        step, out, _ = self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, None, args, kwargs,
+                                                 rows=rows, reshard=reshard_after_forward)
+        return step, list(self.flat_shards(out))
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards (and,
@@ -557,11 +586,13 @@ class _ScanRewriter:
     passes each layer's parameters through the sync's hook (one instance per evaluation)."""
 
     def __init__(self, sync: ScanGradSync, stacked_values: Sequence[jax.Array], dummies: Sequence[jax.Array],
-                 residuals: Sequence[jax.Array]):
+                 residuals: Sequence[jax.Array], rows: Sequence[jax.Array] | None = None, reshard: bool = True):
         self.sync = sync
         self.stacked_values = list(stacked_values)
         self.dummies = tuple(dummies)
         self.residuals = tuple(residuals)  # per layer bucket [num_layers, size]; () without feedback
+        self.rows = None if rows is None else tuple(rows)  # ZeRO-3: parameter shards per layer bucket
+        self.reshard = reshard
         self.found = False
 
     def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict) -> list:
@@ -644,6 +675,8 @@ class _ScanRewriter:
         position = dict(zip(owners, leaves_at))  # stacked-leaf index -> its position in xs
         # Stacked leaves the body does not read still pass through the hook (zero gradient), so
         # every layer bucket is complete.
+        if self.rows is not None:
+            return self._sharded_scan(eqn, consts, init, xs, position, num_carry)
         unused = [j for j in range(len(self.stacked_values)) if j not in position]
         extra = [self.stacked_values[j] for j in unused]
         hook = self.sync._hook
@@ -669,6 +702,35 @@ class _ScanRewriter:
         )
         return [*carry, *ys]
 
+    def _sharded_scan(self, eqn, consts, init, xs, position, num_carry) -> list:
+        """The layer scan of a ZeRO-3 step: the stacked leaves' place in ``xs`` is taken by the
+        layers' parameter rows; the body is replayed with each layer bucket gathered from its row
+        where the body first reads it (inside the block's remat region, with ``reshard``, so the
+        backward iteration gathers it again), its gradient reduce-scattered in the backward
+        iteration (:func:`jax_drain.zero3.replay_gathered`)."""
+        params = eqn.params
+        body = params["jaxpr"]
+        stacked_at = set(position.values())
+        others = [x for k, x in enumerate(xs) if k not in stacked_at]
+        position_of = {pos: self.sync._stacked[j] for j, pos in position.items()}  # xs position -> leaf
+        chain = self.sync._layers
+        refs = [(chain, k) for k in range(chain.num_buckets)]
+        sync = self.sync
+
+        def body_fn(carry, x):
+            others_layer, rows_layer, dummies_layer = x
+            rest = iter(others_layer)
+            xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
+            outs = zero3.replay_gathered(body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
+                                         dummies_layer, depth=1, reshard=self.reshard, mode=sync.reduce,
+                                         divisor=sync._divisor)
+            return list(outs[:num_carry]), list(outs[num_carry:])
+
+        carry, ys = jax.lax.scan(
+            body_fn, list(init), (others, self.rows, self.dummies), length=params["length"],
+            reverse=params["reverse"], unroll=params["unroll"], _split_transpose=params.get("_split_transpose", False),
+        )
+        return [*carry, *ys]
 
 def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
     """Adds to ``found`` the input positions that reach a scan's xs (through inline calls)."""

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jax_drain import _compat
+from jax_drain import _compat, zero3
 from jax_drain.chain import (
     SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
 )
@@ -387,6 +387,15 @@ class GradSync(ChainedSync):
             return (value, shards, residuals) if error_feedback else (value, shards)
 
         return wrapped
+
+    def sharded_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
+                     gather_max_in_flight: int, reshard_after_forward: bool):
+        """ZeRO-3 (:func:`jax_drain.zero3.value_and_grad`): one micro-batch's
+        :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards, each
+        bucket gathered where the loss first reads it."""
+        return zero3.replay_value_and_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs,
+                                           gather_max_in_flight=gather_max_in_flight,
+                                           reshard_after_forward=reshard_after_forward)
 
     def _accumulate(self, local_step, local, state, args, kwargs, k, accum_dtype):
         """``k`` micro-batches in a loop: the summed (weighted) or mean local gradient and loss,

@@ -126,9 +126,10 @@ class TrainConfig:
         shard_params: ZeRO-3 (:mod:`jax_drain.zero3`): each device keeps only its shard of every
             parameter bucket (in the working dtype; ``TrainState.params`` is a
             :class:`~jax_drain.zero3.ParamShards`), and the forward gathers each bucket just
-            before its first use, at most ``gather_max_in_flight`` ahead (``"sync"``: 1). Data
-            axes and ``outer_axis`` only: refused with ``param_specs``, expert params, a scanned
-            stack's in-scan sync or error feedback. Gradients equal ZeRO-1's.
+            before its first use, at most ``gather_max_in_flight`` ahead (``"sync"``: 1); a
+            scanned stack gathers each layer inside the scan body. Data axes and ``outer_axis``
+            only: refused with ``param_specs``, expert params or error feedback. Gradients
+            equal ZeRO-1's.
         reshard_after_forward: with ``shard_params``, gather each bucket again in backward inside
             the model's remat (``jax.checkpoint``) regions instead of keeping it from forward.
         error_feedback: keep each device's wire rounding error and add it to its next gradient
@@ -197,9 +198,6 @@ class TrainConfig:
             if self.param_specs is not None or self.expert is not None:
                 raise ValueError("shard_params=True shards parameters over the data axes only; tensor-parallel "
                                  "param_specs and expert params are not supported with it yet: use shard_params=False")
-            if self.scan_layers is True:
-                raise ValueError("shard_params=True gathers buckets of whole leaves; it does not support the "
-                                 "in-scan sync of scan_layers=True yet: use scan_layers=False (or None)")
             if self.error_feedback:
                 raise ValueError("shard_params=True does not support error_feedback yet: use one of them")
 
@@ -480,8 +478,6 @@ class TrainStep:
         if wanted is False:
             return None
         if wanted is None:
-            if self.config.shard_params:  # ZeRO-3 gathers whole-leaf buckets
-                return None
             try:
                 self.config.check_scannable()
             except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly

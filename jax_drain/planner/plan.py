@@ -628,13 +628,13 @@ def build_user_step(
                 f"not available in this version: {cls.__name__} has no split_leaves option")
         extra["split_leaves"] = True
     drain = strategy.max_in_flight is not None
-    if scanned and strategy.zero3:
-        raise StrategyUnavailable("zero3 gathers the buckets of an unrolled model; scanned stacks are not supported yet")
     if scanned and strategy.name != "no_comm":
         scan_sync = ScanGradSync(
             params, mesh, axis=axis, stacked=stacked, bucket_size=bucket_size,
             reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, **extra,
         )
+        if strategy.zero3:
+            return _zero3_step(scan_sync, loss_fn, batch, axis)
         step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
                                          out_specs=(P(), scan_sync.shard_specs())))
         return step, (params, batch), scan_sync
@@ -645,13 +645,7 @@ def build_user_step(
         drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
     )
     if strategy.zero3:
-        zero3.check_shardable(sync)
-        shards = sync.pack_shards([
-            jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype)
-            for chain, k in sync.flat_chains])
-        step = jax.jit(_compat.shard_map(zero3.value_and_grad(sync, loss_fn), mesh=mesh,
-                                         in_specs=(sync.shard_specs(), P(axis)), out_specs=(P(), sync.shard_specs())))
-        return step, (shards, batch), sync
+        return _zero3_step(sync, loss_fn, batch, axis)
     if strategy.name == "no_comm":
         def local_step(p, b):
             loss, grads = jax.value_and_grad(loss_fn)(local_params(p, axis), b)
@@ -669,6 +663,17 @@ def build_user_step(
         fn = sync.value_and_grad(loss_fn)
     step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
     return step, (params, batch), sync
+
+
+def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any, axis: str) -> tuple[Any, tuple, ChainedSync]:
+    """A ZeRO-3 gradient step of ``sync`` and its abstract inputs: the parameter shards (global,
+    split like the gradient shards) and the batch."""
+    zero3.check_shardable(sync)
+    shards = sync.pack_shards([jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype)
+                               for chain, k in sync.flat_chains])
+    step = jax.jit(_compat.shard_map(zero3.value_and_grad(sync, loss_fn), mesh=sync.mesh,
+                                     in_specs=(sync.shard_specs(), P(axis)), out_specs=(P(), sync.shard_specs())))
+    return step, (shards, batch), sync
 
 
 def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = "data", stacked: bool = False,
