@@ -117,6 +117,21 @@ def test_unsupported_meshes_and_wrong_shards_are_refused():
         bad(sync.flatten(params), _batch())  # whole buckets, not this device's shards
 
 
+def _most_in_flight(hlo: str, kind: str) -> int:
+    """The most ``kind`` collectives started and not yet done at once in the scheduled ENTRY."""
+    from jax_drain.planner.schedule import parse_schedule
+
+    sched = parse_schedule(hlo)
+    live, most = set(), 0
+    for ins in sched.computations[sched.entry]:
+        if ins.opcode == f"{kind}-start":
+            live.add(ins.name)
+        elif ins.opcode == f"{kind}-done":
+            live -= set(ins.operands)
+        most = max(most, len(live))
+    return most
+
+
 @pytest.mark.gpu_compile
 def test_gpu_schedule_gathers_each_bucket_at_its_use_and_keeps_the_chain():
     """Compile-only 8xH100, a remat block stack: resharding, each bucket is gathered once in
@@ -141,6 +156,10 @@ def test_gpu_schedule_gathers_each_bucket_at_its_use_and_keeps_the_chain():
                        order=jd.grad_ready_order(loss, params, jax.ShapeDtypeStruct((256, d), jnp.bfloat16)))
     shards = sync.pack_shards([jax.ShapeDtypeStruct(c.global_shard_shape(k), c.layout.buckets[k].dtype)
                                for c, k in sync.flat_chains])
+    zero1 = jax.jit(_compat.shard_map(sync.value_and_grad(loss), mesh=mesh, in_specs=(P(), P("data")),
+                                      out_specs=(P(), sync.shard_specs())))
+    zero1_order = [c.op_names[0] for c in parse_schedule(zero1.lower(params, batch).compile().as_text()).collectives
+                   if c.kind == "all-to-all" and c.in_scope("jax_drain/bucket")]
     found = {}
     for reshard in (True, False):
         fn = zero3.value_and_grad(sync, loss, reshard_after_forward=reshard)
@@ -151,7 +170,9 @@ def test_gpu_schedule_gathers_each_bucket_at_its_use_and_keeps_the_chain():
         gathers = [c for c in sched.collectives if c.kind == "all-gather" and c.in_scope("jax_drain/gather/bucket")]
         a2a = [c for c in sched.collectives if c.kind == "all-to-all" and c.in_scope("jax_drain/bucket")]
         assert len(a2a) == n and {c.dtype for c in a2a} == {"bf16"}
+        assert [c.op_names[0] for c in a2a] == zero1_order  # the reduce-scatter chain unchanged
         assert report.chains_in_flight == {"dense": 1}
+        assert _most_in_flight(step.lower(shards, batch).compile().as_text(), "all-gather") == 1
         assert report.argument_bytes < n * d * d * 2 / 4  # 1/8 of the bf16 params, plus the batch
         found[reshard] = (len(gathers), report.temp_bytes)
     assert found[False][0] == n
@@ -293,3 +314,32 @@ def test_gpu_scanned_stack_gathers_one_layer_per_iteration():
     assert sharded.temp_bytes <= 1.05 * replicated.temp_bytes  # one layer gathered at a time
     loops = [c for c in sharded.all_collectives if c.kind == "all-gather" and c.in_scope("jax_drain/gather/layers")]
     assert loops, "no layer gather in the compiled program"
+
+
+def test_update_model_writes_the_trained_params_into_an_nnx_model():
+    import optax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(C, H, rngs=rngs)
+            self.b = nnx.Linear(H, C, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.gelu(self.a(x)))
+
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    batches = [jax.tree.map(np.asarray, _batch(seed)) for seed in range(3)]
+    models = []
+    for shard_params in (False, True):
+        model = MLP(nnx.Rngs(0))
+        step = jd.make_train_step(model, loss, optax.adam(1e-2), data_mesh(8),
+                                  jd.TrainConfig(bucket_size=500, shard_params=shard_params), example_batch=batches[0])
+        state = step.init()
+        for batch in batches:
+            state, _ = step(state, batch)
+        step.update_model(model, state)
+        models.append(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    for a, b in zip(jax.tree.leaves(models[1]), jax.tree.leaves(models[0])):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(models[1]["a"]["kernel"], nnx.to_pure_dict(nnx.state(MLP(nnx.Rngs(0)), nnx.Param))["a"]["kernel"])
