@@ -40,6 +40,7 @@ from jax_drain.collectives import (
 )
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
+from jax_drain.losses import LocalStep
 from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
 
 PyTree = Any
@@ -729,6 +730,37 @@ def split_microbatches(x: Any, k: int) -> jax.Array:
             f"argument of shape {tuple(shape)} does not split into {k} equal parts"
         )
     return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
+
+
+def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: Any, args: Any, kwargs: Any,
+                      k: int) -> tuple[Any, list, Any]:
+    """``k`` micro-batches in a loop, each reduce-scattered on its own (a scanned stack in its
+    own backward scan, ZeRO-3 with its own gathers): ``run(state, carried, args, kwargs) ->
+    (LocalStep, flat float32 shards, carried)``. The shards, the local loss and count are summed
+    in the loop carry; ``state`` and ``carried`` (error-feedback residuals) pass from one
+    micro-batch to the next. Returns ``(LocalStep, flat shards, carried)``: sums for a weighted
+    loss (``finish`` divides by the global count), else means over the micro-batches."""
+    args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
+    # The carry has the loop outputs' type: the loss varies along every data axis, a shard along
+    # its chain's axes (the outer all-reduce makes it equal along the outer axes).
+    zeros = [_compat.mark_varying(jnp.zeros(chain.shard_shape(b), jnp.float32), chain.axes)
+             for chain, b in sync.flat_chains]
+    scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes)
+    weighted: list[bool] = []  # filled while the loop body is traced
+
+    def one(carry, micro):
+        total, count, acc, state, carried = carry
+        step, shards, carried = run(state, carried, *micro)
+        weighted.append(step.count is not None)
+        acc = [a + s for a, s in zip(acc, shards)]
+        count = count + (1.0 if step.count is None else step.count)
+        return (total + step.total, count, acc, step.state, carried), step.aux
+
+    (total, count, acc, state, carried), aux = jax.lax.scan(
+        one, (scalar(), scalar(), zeros, state, carried), (args, kwargs))
+    if weighted[0]:
+        return LocalStep(total, count, aux, state), acc, carried
+    return LocalStep(total / k, None, aux, state), [a / k for a in acc], carried
 
 
 def check_state_replicated(old: Any, new: Any, axes: Sequence[str]) -> None:

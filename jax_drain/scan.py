@@ -83,14 +83,14 @@ from jax.sharding import Mesh
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
 from jax_drain.chain import (
-    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
+    SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, build_chain, check_microbatches, check_state_replicated,
 )
 from jax_drain.collectives import check_mode, check_wire_dtype
 from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.feedback import check_error_feedback
 from jax_drain import zero3
 from jax_drain.layout import BucketLayout, check_order
-from jax_drain.losses import LocalStep, pack_value, split_output
+from jax_drain.losses import pack_value, split_output
 from jax_drain.mesh import as_axes, check_mesh, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
@@ -333,7 +333,12 @@ class ScanGradSync(ChainedSync):
             if microbatches == 1:
                 out, shards, residuals = run(state, residuals, args, kwargs)
             else:
-                out, shards, residuals = self._accumulate(run, state, residuals, args, kwargs, microbatches)
+                def flat_run(st, res, a, kw):
+                    step, shards, res = run(st, res, a, kw)
+                    return step, list(self.flat_shards(shards)), res
+
+                out, flat, residuals = accumulate_shards(self, flat_run, state, residuals, args, kwargs, microbatches)
+                shards = self.pack_shards(flat)
             loss, shards = self.finish(out.total, out.count, shards)
             value = pack_value(loss, out.aux, out.state, has_aux, has_state)
             return (value, shards, residuals) if error_feedback else (value, shards)
@@ -435,34 +440,6 @@ class ScanGradSync(ChainedSync):
         rest_shards, rest_residuals = self._reduce_rest(rest_grads, layer_shards, residuals.rest)
         return (step, ScanShards(tuple(layer_shards), rest_shards),
                 ScanShards(tuple(new_layer_residuals), rest_residuals))
-
-    def _accumulate(self, run, state, residuals, args, kwargs, k):
-        """``k`` micro-batches in a loop, each reduce-scattered in its own backward scan; the
-        float32 shards (and the local loss and count) are summed in the loop carry, the
-        residuals (if any) carried from one micro-batch to the next."""
-        args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
-        zeros = ScanShards(tuple(jnp.zeros((self.num_layers, s), jnp.float32) for s in self.layer_shard_sizes),
-                           tuple(jnp.zeros((s,), jnp.float32) for s in self.rest_shard_sizes))
-        # The carry has the loop outputs' type: the loss varies along every data axis, the shards
-        # along ``axis`` (the outer all-reduce makes them equal along ``outer_axis``).
-        scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes)
-        init = (scalar(), scalar(), jax.tree.map(lambda z: _compat.mark_varying(z, self.axes), zeros), state,
-                residuals)
-        weighted: list[bool] = []  # filled while the loop body is traced
-
-        def one(carry, micro):
-            total, count, acc, state, residuals = carry
-            a, kw = micro
-            step, shards, residuals = run(state, residuals, a, kw)
-            weighted.append(step.count is not None)
-            acc = jax.tree.map(jnp.add, acc, shards)
-            count = count + (1.0 if step.count is None else step.count)
-            return (total + step.total, count, acc, step.state, residuals), step.aux
-
-        (total, count, acc, state, residuals), aux = jax.lax.scan(one, init, (args, kwargs))
-        if weighted[0]:  # sums: finish() divides by the global count
-            return LocalStep(total, count, aux, state), acc, residuals
-        return LocalStep(total / k, None, aux, state), jax.tree.map(lambda s: s / k, acc), residuals
 
     def sharded_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
                      gather_max_in_flight: int, reshard_after_forward: bool):

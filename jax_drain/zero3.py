@@ -73,10 +73,10 @@ import jax.numpy as jnp
 from jax_drain import _compat
 from jax_drain._jaxpr import REMAT, call_body
 from jax_drain.chain import (
-    GATHER_SCOPE, SCOPE_PREFIX, BucketChain, ChainedSync, check_microbatches, split_microbatches,
+    GATHER_SCOPE, SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, check_microbatches,
 )
 from jax_drain.collectives import all_gather_bucket
-from jax_drain.losses import LocalStep, pack_value, split_output
+from jax_drain.losses import pack_value, split_output
 from jax_drain.optimizer import StateLayout
 
 PyTree = Any
@@ -155,7 +155,8 @@ def value_and_grad(
         if microbatches == 1:
             step, grads = run(state, args, kwargs)
         else:
-            step, grads = _accumulate(sync, run, state, args, kwargs, microbatches)
+            step, grads, _ = accumulate_shards(
+                sync, lambda st, _, a, kw: (*run(st, a, kw), None), state, None, args, kwargs, microbatches)
         loss, grads = sync.finish(step.total, step.count, sync.pack_shards(grads))
         return pack_value(loss, step.aux, step.state, has_aux, has_state), grads
 
@@ -212,29 +213,6 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
               for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
                                                 max_in_flight=sync.max_in_flight)]
     return step, shards
-
-
-def _accumulate(sync, run, state, args, kwargs, k):
-    """``k`` micro-batches in a loop, each gathered and reduce-scattered on its own; the float32
-    shards, the local loss and count summed in the carry."""
-    args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
-    zeros = [_compat.mark_varying(jnp.zeros(chain.shard_shape(b), jnp.float32), chain.axes)
-             for chain, b in sync.flat_chains]
-    scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes)
-    weighted: list[bool] = []
-
-    def one(carry, micro):
-        total, count, acc, state = carry
-        step, grads = run(state, *micro)
-        weighted.append(step.count is not None)
-        acc = [a + g for a, g in zip(acc, grads)]
-        count = count + (1.0 if step.count is None else step.count)
-        return (total + step.total, count, acc, step.state), step.aux
-
-    (total, count, acc, state), aux = jax.lax.scan(one, (scalar(), scalar(), zeros, state), (args, kwargs))
-    if weighted[0]:
-        return LocalStep(total, count, aux, state), acc
-    return LocalStep(total / k, None, aux, state), [a / k for a in acc]
 
 
 def _make_gather(chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
