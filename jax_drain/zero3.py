@@ -74,12 +74,14 @@ from jax_drain import _compat
 from jax_drain._jaxpr import REMAT, call_body
 from jax_drain.chain import (
     GATHER_SCOPE, SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, check_microbatches,
+    check_state_replicated,
 )
 from jax_drain.collectives import all_gather_bucket
 from jax_drain.losses import pack_value, split_output
 from jax_drain.optimizer import StateLayout
 
 PyTree = Any
+
 
 def check_shardable(sync: ChainedSync) -> None:
     """Raises unless ``sync``'s parameters can be sharded like its gradients (ZeRO-3)."""
@@ -209,6 +211,7 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
         return step.total, step
 
     (_, step), buckets = jax.value_and_grad(differentiable, has_aux=True)(dummies)
+    check_state_replicated(state, step.state, sync.data_axes)
     shards = [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))
               for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
                                                 max_in_flight=sync.max_in_flight)]

@@ -343,3 +343,25 @@ def test_update_model_writes_the_trained_params_into_an_nnx_model():
     for a, b in zip(jax.tree.leaves(models[1]), jax.tree.leaves(models[0])):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(models[1]["a"]["kernel"], nnx.to_pure_dict(nnx.state(MLP(nnx.Rngs(0)), nnx.Param))["a"]["kernel"])
+
+
+def test_batch_statistics_that_differ_across_devices_are_refused():
+    """BatchNorm without axis_name keeps per-device statistics: refused under ZeRO-3 as without it."""
+    import optax
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(C, H, rngs=rngs)
+            self.norm = nnx.BatchNorm(H, rngs=rngs)
+            self.b = nnx.Linear(H, C, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.norm(self.a(x)))
+
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    batch = jax.tree.map(np.asarray, _batch())
+    step = jd.make_train_step(Net(nnx.Rngs(0)), loss, optax.sgd(0.1), data_mesh(8),
+                              jd.TrainConfig(shard_params=True), example_batch=batch)
+    with pytest.raises(ValueError, match="axis_name"):
+        step(step.init(), batch)
