@@ -365,3 +365,68 @@ def test_batch_statistics_that_differ_across_devices_are_refused():
                               jd.TrainConfig(shard_params=True), example_batch=batch)
     with pytest.raises(ValueError, match="axis_name"):
         step(step.init(), batch)
+
+
+@pytest.mark.parametrize("reduce", ["int8_accum", "fp32_accum_streamed"])
+def test_split_leaves_and_other_reduce_modes_equal_gradsync(reduce):
+    """Leaves split across buckets (pieces of one leaf gathered from two buckets) and the
+    quantized / streamed modes: the same shards as GradSync, bit for bit."""
+    params, batch, loss = _params(), _batch(), _loss(True)
+    sync = jd.GradSync(params, data_mesh(8), bucket_size=700, split_leaves=True, reduce=reduce)
+    assert any(len({p.leaf for p in b.pieces}) < len(b.pieces) or b.pieces[0].start > 0 for b in sync.layout.buckets)
+    reference, sharded = _both(sync, loss)
+    (want_loss, want), (got_loss, got) = reference(params, batch), sharded(params, batch)
+    assert float(got_loss) == float(want_loss)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _mlp_step(shard_params, lazy=False, **config):
+    import optax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(C, H, rngs=rngs)
+            self.b = nnx.Linear(H, C, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.gelu(self.a(x)))
+
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    batch = jax.tree.map(np.asarray, _batch())
+    return jd.make_train_step(MLP(nnx.Rngs(0)), loss, jd.adamw(1e-2, max_norm=1.0), data_mesh(8),
+                              jd.TrainConfig(bucket_size=500, shard_params=shard_params, donate=False, **config),
+                              example_batch=None if lazy else batch)
+
+
+@pytest.mark.parametrize("config", [{"param_dtype": jnp.bfloat16}, {"lazy": True}],
+                         ids=["bf16_working_params", "built_from_first_batch"])
+def test_train_step_combinations_equal_zero1(config):
+    """bf16 working params (the shards are bf16, the masters float32) and a step built from its
+    first batch: the same losses and masters as ZeRO-1."""
+    batches = [jax.tree.map(np.asarray, _batch(seed)) for seed in range(3)]
+    runs = []
+    for shard_params in (False, True):
+        step = _mlp_step(shard_params, **config)
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics.loss))
+        runs.append((losses, step.master_params(state), state))
+    assert runs[1][0] == runs[0][0]
+    for a, b in zip(jax.tree.leaves(runs[1][1]), jax.tree.leaves(runs[0][1])):
+        np.testing.assert_array_equal(a, b)
+    if "param_dtype" in config:
+        assert {x.dtype for x in jax.tree.leaves(runs[1][2].params)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_a_nonfinite_step_is_skipped_bit_for_bit():
+    step = _mlp_step(True)
+    state, _ = step(step.init(), jax.tree.map(np.asarray, _batch(1)))
+    bad = jax.tree.map(np.array, _batch(2))
+    bad["x"][5] = np.nan
+    after, metrics = step(state, bad)
+    assert bool(metrics.skipped)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)):  # the step count too
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
