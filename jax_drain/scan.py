@@ -387,7 +387,7 @@ class ScanGradSync(ChainedSync):
         return self.data_size if self.average else 1
 
     def _value_and_grad_once(self, loss_fn, has_aux, has_state, local, state, residuals, args, kwargs,
-                             rows=None, reshard=True):
+                             rows=None, reshard=True, gather_depth=1):
         """This device's :class:`~jax_drain.losses.LocalStep`, the shards and (with
         ``residuals``) the new residuals, the layer scan rewritten (module doc).
 
@@ -416,7 +416,7 @@ class ScanGradSync(ChainedSync):
 
         def differentiable(rest_leaves, dummies, layer_residuals):
             inputs = self._merge_leaves(stacked_values, rest_leaves)
-            rewriter = _ScanRewriter(self, stacked_values, dummies, layer_residuals, rows, reshard)
+            rewriter = _ScanRewriter(self, stacked_values, dummies, layer_residuals, rows, reshard, gather_depth)
             rewriters.append(rewriter)
             outs = rewriter.eval(closed.jaxpr, closed.consts, [*inputs, *flat_args], tracked)
             step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
@@ -447,7 +447,6 @@ class ScanGradSync(ChainedSync):
         :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards.
         Each layer is gathered from its rows inside the scan body and reduce-scattered in its
         backward; the other leaves are gathered once, before the loss."""
-        del gather_max_in_flight  # one layer's buckets are gathered together, at the top of its body
         parts = self.per_chain(shards)
         rows, rest = parts[0], (parts[1] if len(parts) > 1 else ())
         local: list[Any] = [None] * len(self.placements)
@@ -460,7 +459,8 @@ class ScanGradSync(ChainedSync):
             for i, leaf in zip(others.leaves, others.unflatten(gathered)):
                 local[i] = _compat.mark_varying(leaf, self.placements[i].reduce_axes + self.outer_axes)
         step, out, _ = self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, None, args, kwargs,
-                                                 rows=rows, reshard=reshard_after_forward)
+                                                 rows=rows, reshard=reshard_after_forward,
+                                                 gather_depth=gather_max_in_flight)
         return step, list(self.flat_shards(out))
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
@@ -563,13 +563,14 @@ class _ScanRewriter:
     passes each layer's parameters through the sync's hook (one instance per evaluation)."""
 
     def __init__(self, sync: ScanGradSync, stacked_values: Sequence[jax.Array], dummies: Sequence[jax.Array],
-                 residuals: Sequence[jax.Array], rows: Sequence[jax.Array] | None = None, reshard: bool = True):
+                 residuals: Sequence[jax.Array], rows: Sequence[jax.Array] | None = None, reshard: bool = True,
+                 gather_depth: int = 1):
         self.sync = sync
         self.stacked_values = list(stacked_values)
         self.dummies = tuple(dummies)
         self.residuals = tuple(residuals)  # per layer bucket [num_layers, size]; () without feedback
         self.rows = None if rows is None else tuple(rows)  # ZeRO-3: parameter shards per layer bucket
-        self.reshard = reshard
+        self.reshard, self.gather_depth = reshard, gather_depth
         self.found = False
 
     def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tracked: dict) -> list:
@@ -699,7 +700,7 @@ class _ScanRewriter:
             rest = iter(others_layer)
             xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
             outs = zero3.replay_gathered(body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
-                                         dummies_layer, depth=1, reshard=self.reshard, mode=sync.reduce,
+                                         dummies_layer, depth=self.gather_depth, reshard=self.reshard, mode=sync.reduce,
                                          divisor=sync._divisor)
             return list(outs[:num_carry]), list(outs[num_carry:])
 

@@ -126,7 +126,8 @@ class TrainConfig:
         shard_params: ZeRO-3 (:mod:`jax_drain.zero3`): each device keeps only its shard of every
             parameter bucket (in the working dtype; ``TrainState.params`` is a
             :class:`~jax_drain.zero3.ParamShards`), and the forward gathers each bucket just
-            before its first use, at most ``gather_max_in_flight`` ahead (``"sync"``: 1); a
+            before its first use, at most ``gather_max_in_flight`` ahead (as the optimizer
+            resolves it: ``"sync"`` is the drain depth; ``None`` leaves the gathers unfenced); a
             scanned stack gathers each layer inside the scan body. Data axes and ``outer_axis``
             only: refused with ``param_specs``, expert params or error feedback. Gradients
             equal ZeRO-1's.
@@ -524,8 +525,8 @@ class TrainStep:
         device = jax.lax.axis_index(self.sync.data_axes)
         loss_fn = lambda p, state, b: self._loss(p, state, b, device)
         if config.shard_params:
-            depth = 1 if config.gather_max_in_flight in ("sync", None) else config.gather_max_in_flight
-            grad_fn = zero3.value_and_grad(self.sync, loss_fn, gather_max_in_flight=depth, has_state=True,
+            grad_fn = zero3.value_and_grad(self.sync, loss_fn, gather_max_in_flight=self.optimizer.gather_max_in_flight,
+                                           has_state=True,
                                            reshard_after_forward=config.reshard_after_forward,
                                            microbatches=config.microbatches)
             (loss, model_state), shards = grad_fn(params.shards, model_state, batch)

@@ -10,6 +10,7 @@ all-gather, placed where the bucket is first used:
   first value the forward computes from bucket ``g_{i - gather_max_in_flight}``: at most
   ``gather_max_in_flight`` gathered buckets wait ahead of the compute, XLA cannot start every
   gather at once (keeping every gathered bucket alive), and it cannot combine them into one.
+  ``gather_max_in_flight=None`` leaves the gathers unfenced (XLA places and may combine them).
 * **Backward**: the gather is a ``jax.custom_vjp`` whose backward rule returns the bucket's
   whole local gradient (the pieces' cotangents laid back into the bucket) as the cotangent of a
   bucket-shaped zero input; the buckets then go through the sync's own drained chain
@@ -77,6 +78,7 @@ from jax_drain.chain import (
     check_state_replicated,
 )
 from jax_drain.collectives import all_gather_bucket
+from jax_drain.drain import check_max_in_flight
 from jax_drain.losses import pack_value, split_output
 from jax_drain.optimizer import StateLayout
 
@@ -123,7 +125,7 @@ def value_and_grad(
     loss_fn: Callable[..., Any],
     has_aux: bool = False,
     *,
-    gather_max_in_flight: int = 1,
+    gather_max_in_flight: int | None = 1,
     reshard_after_forward: bool = True,
     has_state: bool = False,
     microbatches: int = 1,
@@ -141,8 +143,7 @@ def value_and_grad(
     """
     check_shardable(sync)
     check_microbatches(microbatches)
-    if isinstance(gather_max_in_flight, bool) or not isinstance(gather_max_in_flight, int) or gather_max_in_flight < 1:
-        raise ValueError(f"gather_max_in_flight must be an int >= 1, got {gather_max_in_flight!r}")
+    gather_max_in_flight = check_max_in_flight(gather_max_in_flight)
 
     def wrapped(param_shards: Any, *args: Any, **kwargs: Any):
         sync.require_inside_shard_map("zero3.value_and_grad")
@@ -273,10 +274,6 @@ class ParamRef:
         self.index = index
 
 
-class _Leaf(ParamRef):
-    """A parameter leaf inside the replay, not gathered yet."""
-
-
 def replay_gathered(jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any], refs: Sequence[tuple[BucketChain, int]],
                     shards: Sequence[jax.Array], dummies: Sequence[jax.Array], *, depth: int, reshard: bool,
                     mode: str, divisor: int) -> list:
@@ -318,7 +315,7 @@ class _GatherReplay:
     def run(self, jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any]) -> list:
         """``jaxpr``'s outputs; an input given as :class:`ParamRef` is that parameter leaf,
         gathered where it is first read."""
-        return self._eval(jaxpr, consts, [_Leaf(x.index) if isinstance(x, ParamRef) else x for x in invals])
+        return self._eval(jaxpr, consts, invals)
 
     # -- gathers ------------------------------------------------------------------------------
     def _leaf(self, i: int) -> jax.Array:
@@ -339,7 +336,7 @@ class _GatherReplay:
     def _bucket(self, b: int) -> tuple[jax.Array, ...]:
         if b not in self.gathered:
             i = len(self.uses)
-            fence = self.uses[i - self.depth] if i >= self.depth else None
+            fence = self.uses[i - self.depth] if self.depth is not None and i >= self.depth else None
             self.gathered[b] = self.gathers[b](self.shards[b], self.dummies[b], fence)
             self.uses.append(None)
             self.pending.append(i)
@@ -354,13 +351,13 @@ class _GatherReplay:
             if isinstance(v, _compat.Literal):
                 return v.val
             x = env[v]
-            if gather and isinstance(x, _Leaf):
+            if gather and isinstance(x, ParamRef):
                 x = env[v] = self._leaf(x.index)
             return x
 
         for eqn in jaxpr.eqns:
             raw = [read(v, gather=False) for v in eqn.invars]
-            if self.reshard and eqn.primitive.name in REMAT and any(isinstance(x, _Leaf) for x in raw):
+            if self.reshard and eqn.primitive.name in REMAT and any(isinstance(x, ParamRef) for x in raw):
                 outs = self._region(eqn, raw)
             else:
                 invals = [read(v) for v in eqn.invars]
@@ -384,9 +381,9 @@ class _GatherReplay:
         ``jax.checkpoint`` (same policy), its buckets gathered inside it."""
         body = call_body(eqn, REMAT)
         if body is None:  # pragma: no cover - every jax version's remat maps inputs one to one
-            return _compat.bind_eqn(eqn, [self._leaf(x.index) if isinstance(x, _Leaf) else x for x in raw])
+            return _compat.bind_eqn(eqn, [self._leaf(x.index) if isinstance(x, ParamRef) else x for x in raw])
         jaxpr, consts = body
-        carried = [i for i, x in enumerate(raw) if not isinstance(x, _Leaf)]
+        carried = [i for i, x in enumerate(raw) if not isinstance(x, ParamRef)]
         before = len(self.uses)
         made: list[int] = []
 

@@ -259,7 +259,7 @@ def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(k
     its buckets differ along, and a checkpoint resumes the residuals bit for bit."""
     import dataclasses
 
-    from test_train_meshes import CASES, STEPS, _batches, _reference, _step
+    from test_train_meshes import CASES, STEPS, _batches, _reference, _step, assert_resumes_bit_for_bit
 
     case = dataclasses.replace(CASES[kind], config={**CASES[kind].config, "reduce": "int8_accum",
                                                     "error_feedback": True})
@@ -280,15 +280,4 @@ def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(k
     assert any(np.abs(np.asarray(r, np.float32)).max() > 0 for r in residuals)
     for r, (chain, k) in zip(residuals, step.sync.flat_chains):
         assert r.shape == chain.global_bucket_shape(k, step.mesh)
-    jd.save_checkpoint(tmp_path / "ckpt", state)
-    continued = []
-    for batch in batches[STEPS:]:
-        state, metrics = step(state, batch)
-        continued.append(float(metrics.loss))
-    fresh = _step(case, params, batches[0], cpu_devices)
-    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
-    resumed = []
-    for batch in batches[STEPS:]:
-        restored, metrics = fresh(restored, batch)
-        resumed.append(float(metrics.loss))
-    assert resumed == continued
+    assert_resumes_bit_for_bit(case, params, step, state, batches, cpu_devices, tmp_path)

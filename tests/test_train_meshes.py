@@ -179,7 +179,11 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5, err_msg=jax.tree_util.keystr(path[0]))
     assert losses[-1] < losses[0]
 
-    # Resume: save after STEPS, run two more; a fresh step restored from disk gives the same losses.
+    assert_resumes_bit_for_bit(case, params, step, state, batches, cpu_devices, tmp_path)
+
+
+def assert_resumes_bit_for_bit(case, params, step, state, batches, cpu_devices, tmp_path):
+    """Saved after STEPS and run on: a fresh step restored from disk gives the same losses."""
     jd.save_checkpoint(tmp_path / "ckpt", state)
     continued = []
     for batch in batches[STEPS:]:

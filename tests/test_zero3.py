@@ -430,3 +430,14 @@ def test_a_nonfinite_step_is_skipped_bit_for_bit():
     assert bool(metrics.skipped)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)):  # the step count too
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("depth", [None, 2])
+def test_gather_depths_give_the_same_gradients(depth):
+    params, batch, loss = _params(), _batch(), _loss(True)
+    sync = jd.GradSync(params, data_mesh(8), bucket_size=1200)
+    reference, sharded = _both(sync, loss, gather_max_in_flight=depth)
+    for a, b in zip(jax.tree.leaves(sharded(params, batch)), jax.tree.leaves(reference(params, batch))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        zero3.value_and_grad(sync, loss, gather_max_in_flight=0)
