@@ -31,17 +31,21 @@ def _block(p, h):
     return h + jnp.tanh(h @ p["w_in"] + p["b_in"]) @ p["w_out"]
 
 
-def _loss(remat: bool):
+def _forward(remat: bool):
     block = jax.checkpoint(_block) if remat else _block
 
-    def loss(p, batch):
-        h = batch["x"] @ p["embed"]
+    def forward(p, x):
+        h = x @ p["embed"]
         for i in range(LAYERS):
             h = block(p[f"block{i}"], h)
-        logits = (h * p["head_norm"]) @ p["embed"].T  # the embedding again: read in two places
-        return jnp.mean((logits - batch["y"]) ** 2)
+        return (h * p["head_norm"]) @ p["embed"].T  # the embedding again: read in two places
 
-    return loss
+    return forward
+
+
+def _loss(remat: bool):
+    forward = _forward(remat)
+    return lambda p, batch: jnp.mean((forward(p, batch["x"]) - batch["y"]) ** 2)
 
 
 def _batch(seed=1, n=32):
@@ -441,3 +445,23 @@ def test_gather_depths_give_the_same_gradients(depth):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="max_in_flight"):
         zero3.value_and_grad(sync, loss, gather_max_in_flight=0)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_weighted_loss_with_uneven_counts_equals_gradsync(microbatches):
+    """Per-token losses (WeightedLoss) with a different count on every device and micro-batch."""
+    params, batch = _params(), _batch(n=64)
+    batch["mask"] = jnp.asarray(np.random.default_rng(7).random((64,)) < 0.6, jnp.float32)
+
+    forward = _forward(True)
+
+    def loss(p, b):
+        per_example = jnp.sum((forward(p, b["x"]) - b["y"]) ** 2, axis=-1)
+        return jd.WeightedLoss(jnp.sum(per_example * b["mask"]), jnp.sum(b["mask"]))
+
+    sync = jd.GradSync(params, data_mesh(8), bucket_size=1200)
+    reference, sharded = _both(sync, loss, microbatches=microbatches)
+    (want_loss, want), (got_loss, got) = reference(params, batch), sharded(params, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
