@@ -5,6 +5,10 @@ The JAX counterpart of Megatron-LM's distributed data parallel with
 time" (Megatron-LM PR #4940). See README.md for a tour and BUILD.md for the architecture.
 """
 
+from jax_drain import _quiet
+
+_quiet.start()  # before jax starts: no CUDA-plugin noise where there is no GPU (see jax_drain/_quiet.py)
+
 from jax_drain.chain import BucketChain
 from jax_drain.checkpoint import (
     CheckpointCorruptError, CheckpointMismatchError, latest_step, restore_checkpoint, save_checkpoint, save_checkpoint_async,

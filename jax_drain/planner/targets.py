@@ -8,8 +8,10 @@ pipeline (collective combiners, latency-hiding scheduler, buffer assignment), so
 
 Requirements: the CUDA PJRT plugin (``jax-cuda12-plugin``, module ``jax_plugins.xla_cuda12``) at
 the installed jax's version: ``pip install -e '.[gpu-compile]'``; no CUDA libraries. On a machine
-without CUDA set ``JAX_PLATFORMS=cpu`` (before jax initialises its backends), otherwise the plugin
-fails its CUDA version check and does not register. Without a usable plugin, :func:`gpu_devices`,
+without a visible NVIDIA GPU, ``import jax_drain`` registers the plugin without its CUDA version
+check (which would fail without CUDA libraries and only guards running on a GPU), so no
+``JAX_PLATFORMS=cpu`` is needed; where jax started first, the first call here registers it. With a
+GPU visible the plugin registers as jax decides. Without a usable plugin, :func:`gpu_devices`,
 :func:`gpu_mesh` and everything built on them raise :class:`GpuCompileUnavailable`;
 :func:`gpu_compile_available` says so without raising.
 
@@ -36,6 +38,8 @@ import jax
 import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh
+
+from jax_drain import _quiet
 
 __all__ = [
     "KNOWN_TARGETS",
@@ -174,13 +178,28 @@ def _unavailable(cause: BaseException) -> GpuCompileUnavailable:
     )
 
 
+def _topology(config: str, dims: tuple[int, int, int]) -> topologies.TopologyDescription:
+    make = lambda: topologies.get_topology_desc(
+        _TOPOLOGY_NAME, "cuda", target_config=config, topology="x".join(map(str, dims)))
+    try:
+        return make()
+    except NotImplementedError:
+        # jax started before jax_drain and its CUDA version check left the plugin unregistered;
+        # without a visible GPU that check guards nothing, so register the plugin now.
+        try:
+            retry = _quiet.register_cuda_plugin()
+        except Exception:  # noqa: BLE001 - the original error says more
+            retry = False
+        if not retry:
+            raise
+        return make()
+
+
 @functools.lru_cache(maxsize=None)
 def _cached_devices(config_key: str, dims: tuple[int, int, int]) -> tuple[jax.Device, ...]:
     config = target_config(config_key)
     try:
-        topo = topologies.get_topology_desc(
-            _TOPOLOGY_NAME, "cuda", target_config=config, topology="x".join(map(str, dims))
-        )
+        topo = _topology(config, dims)
     except Exception as e:
         if isinstance(e, NotImplementedError) or not _plugin_installed():
             raise _unavailable(e) from e
