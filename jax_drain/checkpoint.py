@@ -42,13 +42,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import re
+import threading
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -202,7 +205,7 @@ def save_checkpoint_async(
     arrays = dict(zip(keys, jax.tree.leaves(state)))
     checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
     meta = {**description, "step": step, "extra": extra or {}, "checksums": checksums}
-    ocp = _orbax()
+    ocp = _orbax(directory)
     options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
     manager.save(step, args=ocp.args.Composite(**{
@@ -288,9 +291,8 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
 
 def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any]) -> dict:
     """The arrays of ``abstract``'s keys, each checked against its saved checksum."""
-    ocp = _orbax()
-    options = ocp.CheckpointManagerOptions(read_only=True)
-    with ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp)) as manager:
+    ocp = _orbax(directory)
+    with _read_only_manager(ocp, directory) as manager:
         try:
             arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
         except Exception:  # noqa: BLE001 - find which array file is unreadable
@@ -460,10 +462,80 @@ def _handlers(ocp: Any) -> dict[str, Any]:
     return {_STATE: ocp.StandardCheckpointHandler(use_ocdbt=False), _META: ocp.JsonCheckpointHandler()}
 
 
-def _orbax():
+def _orbax(directory: pathlib.Path):
     import orbax.checkpoint as ocp  # imported on use: it is slow to import
 
+    _OrbaxNotes.install(directory)
     return ocp
+
+
+@contextlib.contextmanager
+def _read_only_manager(ocp: Any, directory: pathlib.Path) -> Iterator[Any]:
+    with _expected_orbax_notes():
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
+    with manager:
+        yield manager
+
+
+# Where orbax's notes about jax_drain's own choices go, at DEBUG (see _OrbaxNotes).
+_log = logging.getLogger(__name__)
+_in_jax_drain = threading.local()
+
+
+@contextlib.contextmanager
+def _expected_orbax_notes() -> Iterator[None]:
+    """Inside: orbax's notes on this thread are about jax_drain's options (read-only managers)."""
+    _in_jax_drain.depth = getattr(_in_jax_drain, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _in_jax_drain.depth -= 1
+
+
+class _OrbaxNotes(logging.Filter):
+    """orbax's warnings about options jax_drain sets on purpose, moved to the
+    ``jax_drain.checkpoint`` logger at DEBUG.
+
+    jax_drain writes one directory per array (``use_ocdbt=False``, so a damaged file names its
+    array: orbax then warns "Skipping merge of OCDBT checkpoints" from its save thread) and reads
+    through read-only managers (orbax warns "read_only=True, setting ..." and "Given directory
+    is read only"). These come on every save and restore and mean nothing is wrong. Only those
+    messages, and only for jax_drain's own directories or managers, are moved; every other orbax
+    message (and anything at ERROR) goes where it went before. Installed once, on the ``absl``
+    logger orbax writes to.
+    """
+
+    EXPECTED = ("Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs",
+                "CheckpointManagerOptions.read_only=True, setting", "Given directory is read only=")
+    _installed: "_OrbaxNotes | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directories: set[str] = set()
+
+    @classmethod
+    def install(cls, directory: pathlib.Path) -> None:
+        with cls._lock:
+            if cls._installed is None:
+                cls._installed = cls()
+                logging.getLogger("absl").addFilter(cls._installed)
+            cls._installed.directories.add(str(directory))
+
+    def _ours(self, message: str) -> bool:
+        if getattr(_in_jax_drain, "depth", 0):
+            return True
+        return any(message.endswith(d) or f"{d}{os.sep}" in message for d in list(self.directories))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or not any(e in str(record.msg) for e in self.EXPECTED):
+            return True
+        message = record.getMessage()
+        if not self._ours(message):
+            return True
+        _log.debug("orbax: %s", message)
+        return False
 
 
 def _steps(directory: pathlib.Path) -> list[int]:
@@ -476,9 +548,8 @@ def _steps(directory: pathlib.Path) -> list[int]:
 
 
 def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
-    ocp = _orbax()
-    options = ocp.CheckpointManagerOptions(read_only=True)
-    with ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp)) as manager:
+    ocp = _orbax(directory)
+    with _read_only_manager(ocp, directory) as manager:
         try:
             meta = manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
         except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, FileNotFoundError
