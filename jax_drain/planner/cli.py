@@ -27,12 +27,12 @@ import jax
 from jax_drain import models
 from jax_drain.collectives import REDUCE_MODES
 from jax_drain.planner.compare import (
-    DEFAULT_STRATEGIES, Comparison, Row, abstract_tree, describe_model, largest_leaf, plan_model,
+    DEFAULT_STRATEGIES, Comparison, _Progress, Row, abstract_tree, describe_model, largest_leaf, plan_model,
 )
 from jax_drain.planner.plan import (
     SCOPE_PREFIX, Plan, Strategy, StrategyUnavailable, _num_buckets, plan, plan_preset, preset_config,
 )
-from jax_drain.planner.targets import GpuCompileUnavailable, gpu_mesh, parse_topology
+from jax_drain.planner.targets import GpuCompileUnavailable, gpu_devices, gpu_mesh, parse_topology
 
 #: Size flags that reach a user's PARAMS/BATCH/FUNCTION as keywords of the same name.
 SIZE_KEYWORDS = ("layers", "d_model", "heads", "seq", "micro_batch")
@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON: one row per strategy (a list) for "
                    "--loss, --step or several strategies; one preset strategy's full report otherwise")
     p.add_argument("--plot", metavar="FILE.png", help="plot live bytes over the schedule")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines on stderr while compiling (one per strategy otherwise)")
     return p
 
 
@@ -113,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         strategies = _strategy_list(args.strategy)
         options = _xla_options(args.xla_option)
+        gpu_devices(args.target, args.topology)  # no usable plugin: its one-line error before any progress
         if args.loss or args.params or args.batch:
             report: Plan | Comparison = _plan_user_model(args, strategies, options)
         elif args.step:
@@ -120,17 +123,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif strategies and len(strategies) > 1:
             report = _compare_preset(args, strategies, options)
         else:
-            report = plan_preset(
-                _preset(args), strategies[0] if strategies else "fp32_accum+drain", args.target, args.topology,
-                bucket_size=args.bucket_size, num_buckets=None if args.bucket_size else _num_buckets_arg(args),
-                micro_batch=args.micro_batch or 1, compiler_options=options,
-            )
-        print(report.report() if isinstance(report, Comparison) else report.table())
+            name = strategies[0] if strategies else "fp32_accum+drain"
+            shown = _Progress(not args.quiet, 1, f"preset {args.preset} on {_devices(args)}")
+            shown.compiling(0, name)
+            try:
+                report = plan_preset(
+                    _preset(args), name, args.target, args.topology,
+                    bucket_size=args.bucket_size, num_buckets=None if args.bucket_size else _num_buckets_arg(args),
+                    micro_batch=args.micro_batch or 1, compiler_options=options,
+                )
+            except BaseException:
+                shown.failed()
+                raise
+            shown.compiled(report)
+        print(report)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report.to_json(), f, indent=1)
+            print(f"wrote {pathlib.Path(args.json).absolute()}")
         if args.plot:
-            report.plot(args.plot)
+            print(f"wrote {report.plot(args.plot)}")
     except GpuCompileUnavailable as e:  # no usable CUDA PJRT plugin: one line, no traceback
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 3
@@ -154,6 +166,11 @@ def _strategy_list(values: Sequence[str] | None) -> list[str] | None:
     for name in names:
         Strategy.parse(name)
     return list(dict.fromkeys(names))
+
+
+def _devices(args: argparse.Namespace) -> str:
+    slices, hosts, gpus = parse_topology(args.topology)
+    return f"{slices * hosts * gpus}x {args.target} ({args.topology})"
 
 
 def _num_buckets_arg(args: argparse.Namespace) -> int:
@@ -300,6 +317,7 @@ def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, opt
         target=args.target, topology=args.topology, bucket_size=args.bucket_size,
         num_buckets=None if args.bucket_size else _num_buckets_arg(args), compiler_options=options or None,
         scan=True if args.scan_layers else None, name=pathlib.Path(name).stem if name.endswith(".py") else name,
+        progress=not args.quiet,
     )
 
 
@@ -317,18 +335,27 @@ def _plan_user_step(args: argparse.Namespace, strategies: list[str] | None, opti
     slices, hosts, gpus = parse_topology(args.topology)
     mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=args.target, topology=args.topology)
     rows = []
-    for name in (strategies or DEFAULT_STRATEGIES) if takes_strategy else ("step",):
+    names = (strategies or DEFAULT_STRATEGIES) if takes_strategy else ("step",)
+    shown = _Progress(not args.quiet, len(names), f"{args.step} on {_devices(args)}")
+    for k, name in enumerate(names):
         kwargs = {**offered, **({"strategy": Strategy.parse(name)} if takes_strategy else {})}
         try:
             out = _call(make, args.step, "--step", mesh, **kwargs)
         except StrategyUnavailable as e:  # the step says it cannot build this strategy
+            shown.unavailable(k, name)
             rows.append(Row(name, unavailable=str(e)))
             continue
         step, step_args, sync = _step_parts(out, args.step)
-        report = plan(step, *step_args, target=args.target, topology=args.topology,
-                      compiler_options=options or None, scope=SCOPE_PREFIX,
-                      strategy=name, num_buckets=_num_buckets(sync) if hasattr(sync, "chains") else None,
-                      bucket_size=args.bucket_size)
+        shown.compiling(k, name)
+        try:
+            report = plan(step, *step_args, target=args.target, topology=args.topology,
+                          compiler_options=options or None, scope=SCOPE_PREFIX,
+                          strategy=name, num_buckets=_num_buckets(sync) if hasattr(sync, "chains") else None,
+                          bucket_size=args.bucket_size)
+        except BaseException:
+            shown.failed()
+            raise
+        shown.compiled(report)
         rows.append(Row(name, report))
     return Comparison(tuple(rows), args.target, args.topology, mesh.size, args.step)
 
@@ -350,21 +377,28 @@ def _step_parts(out: Any, spec: str) -> tuple[Callable[..., Any], tuple[Any, ...
 
 def _compare_preset(args: argparse.Namespace, strategies: list[str], options: dict[str, Any]) -> Comparison:
     config = _preset(args)
+    slices, hosts, gpus = parse_topology(args.topology)
+    params = models.abstract_params(config)
+    batch = models.example_batch(config, (args.micro_batch or 1) * slices * hosts * gpus)
+    model = f"preset {args.preset}: {describe_model(params, batch)}"
+    shown = _Progress(not args.quiet, len(strategies), f"{model} on {_devices(args)}")
     rows = []
-    for name in strategies:
+    for k, name in enumerate(strategies):
+        shown.compiling(k, name)
         try:
             report = plan_preset(config, name, args.target, args.topology, bucket_size=args.bucket_size,
                                  num_buckets=None if args.bucket_size else _num_buckets_arg(args),
                                  micro_batch=args.micro_batch or 1, compiler_options=options)
         except StrategyUnavailable as e:
+            shown.failed("not available (see its row)")
             rows.append(Row(name, unavailable=str(e)))
             continue
+        except BaseException:
+            shown.failed()
+            raise
+        shown.compiled(report)
         rows.append(Row(name, report))
-    slices, hosts, gpus = parse_topology(args.topology)
-    params = models.abstract_params(config)
-    batch = models.example_batch(config, (args.micro_batch or 1) * slices * hosts * gpus)
-    return Comparison(tuple(rows), args.target, args.topology, slices * hosts * gpus,
-                      f"preset {args.preset}: {describe_model(params, batch)}", largest_leaf(params))
+    return Comparison(tuple(rows), args.target, args.topology, slices * hosts * gpus, model, largest_leaf(params))
 
 
 def run() -> NoReturn:

@@ -14,14 +14,20 @@ Example::
     from jax_drain import plan
 
     report = plan.plan_model(loss_fn, abstract_params, abstract_batch, num_buckets=12)
-    print(report.table())
-    print(report.verdict())
+    print(report)                 # the table, then the verdict (report.table(), report.verdict())
+    report.plot("plan.png")       # live bytes per strategy
+
+While it compiles, :func:`plan_model` writes one line per strategy to stderr (``progress=False``
+for none).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
+import sys
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,6 +68,52 @@ def _strategy(name: str) -> Strategy | None:
         return None
 
 
+class _Progress:
+    """One line per strategy on stderr while the planner compiles::
+
+        planning plan_my_model: 67.6M params (...) on 8x h100 (1x1x8), 5 strategies
+          [1/5] gspmd ... 234.5 MiB temp, compiled in 14.2 s
+          [2/5] no_comm ... 186.5 MiB temp, compiled in 11.0 s
+
+    A strategy's line starts when its compile starts and ends when it is done. Nothing is written
+    before the first compile (or unavailable strategy), so an error in the inputs stays the only
+    line. ``enabled=False`` writes nothing.
+    """
+
+    def __init__(self, enabled: bool, total: int, what: str):
+        self.enabled, self.total, self.what = enabled, total, what
+        self._headed = self._open = False
+        self._t0 = 0.0
+
+    def _write(self, text: str) -> None:
+        if self.enabled:
+            if not self._headed:
+                self._headed = True
+                text = f"planning {self.what}, {self.total} strateg{'y' if self.total == 1 else 'ies'}\n{text}"
+            sys.stderr.write(text)  # looked up on use: pytest and notebooks replace sys.stderr
+            sys.stderr.flush()
+
+    def compiling(self, index: int, name: str) -> None:
+        """Starts strategy ``index``'s line (0-based) as its compile starts."""
+        self._t0 = time.perf_counter()
+        self._write(f"  [{index + 1}/{self.total}] {name} ... ")
+        self._open = True
+
+    def compiled(self, plan: Plan) -> None:
+        """Ends the line with the plan's temp bytes and compile time."""
+        self._open = False
+        self._write(f"{_mib(plan.temp_bytes)} temp, compiled in {time.perf_counter() - self._t0:.1f} s\n")
+
+    def unavailable(self, index: int, name: str) -> None:
+        self._write(f"  [{index + 1}/{self.total}] {name}: not available (see its row)\n")
+
+    def failed(self, why: str = "failed") -> None:
+        """Ends an open line: the compile raised."""
+        if self._open:
+            self._open = False
+            self._write(f"{why}\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One strategy of a :class:`Comparison`: its :class:`Plan`, or why it could not be built."""
@@ -87,10 +139,18 @@ class Row:
         return {"strategy": self.strategy, "available": True, **{k: full[k] for k in keys},
                 "collectives": self.plan.collective_counts(), "sync_collectives": full["collectives"]}
 
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return f"Row({self.strategy!r}, unavailable={self.unavailable!r})"
+        return f"Row({self.strategy!r}, temp {_mib(self.plan.temp_bytes)}, arguments {_mib(self.plan.argument_bytes)})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """Strategies compiled side by side for one model; bytes per device."""
+    """Strategies compiled side by side for one model; bytes per device.
+
+    ``print(comparison)`` (and its ``repr``) shows :meth:`report`: the table, then the verdict.
+    """
 
     rows: tuple[Row, ...]
     target: str
@@ -229,8 +289,15 @@ class Comparison:
         """The table, then the verdict."""
         return f"{self.table()}\n\n{self.verdict()}"
 
-    def plot(self, path: str) -> None:
-        """Writes a PNG: each strategy's approximate live bytes over its (normalised) schedule."""
+    def __str__(self) -> str:
+        return self.report()
+
+    __repr__ = __str__
+
+    def plot(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Writes a PNG: each strategy's approximate live bytes over its (normalised) schedule.
+
+        Returns the absolute path written."""
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(9, 4))
         for name, p in self._plans().items():
@@ -244,6 +311,7 @@ class Comparison:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+        return pathlib.Path(path).absolute()
 
 
 def abstract_tree(tree: Any, what: str = "tree") -> Any:
@@ -294,6 +362,7 @@ def plan_model(
     compiler_options: dict[str, Any] | None = None,
     scan: bool | None = None,
     name: str = "",
+    progress: bool = True,
 ) -> Comparison:
     """Compiles ``loss_fn``'s gradient step once per strategy on ``topology`` (data parallel over
     every GPU) for compile-only ``target`` GPUs and compares them (:class:`Comparison`).
@@ -311,6 +380,16 @@ def plan_model(
         scan: sync scanned leaves inside the backward scan (:class:`jax_drain.ScanGradSync`);
             ``None``: when the loss scans over some leaves (:func:`jax_drain.stacked_leaves`).
         name: a label for the table's head.
+        progress: write one line per strategy to stderr while compiling (each takes seconds
+            to minutes); ``False``: nothing.
+
+    Returns:
+        A :class:`Comparison`; ``print(...)`` it for the table and the verdict.
+
+    Example::
+
+        report = plan_model(loss, params, batch, ["gspmd", "no_comm", "fp32_accum+drain"])
+        print(report)
     """
     parsed = [Strategy.parse(s) if isinstance(s, str) else s for s in strategies]
     if not parsed:
@@ -349,22 +428,30 @@ def plan_model(
             layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(stacked)) if s)
             bucket_size = bucket_size_for(_per_layer(params, stacked), max(1, round((num_buckets or 1) / layers)), n)
     itemsize = max(jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
+    model = (f"{name}: " if name else "") + describe_model(params, batch)
+    shown = _Progress(progress, len(parsed), f"{model} on {n}x {target} ({topology})")
 
     rows = []
-    for strat in parsed:
+    for k, strat in enumerate(parsed):
         try:
             step, args, sync = build_user_step(strat, loss_fn, params, batch, mesh, bucket_size=bucket_size,
                                                order=order, stacked=stacked)
         except StrategyUnavailable as e:
+            shown.unavailable(k, strat.name)
             rows.append(Row(strat.name, unavailable=str(e)))
             continue
         options = {**strategy_options(strat, bucket_size * itemsize), **(compiler_options or {})}
-        report = plan(step, *args, target=target, topology=topology, compiler_options=options or None,
-                      scope=None if sync is None else SCOPE_PREFIX, strategy=strat.name,
-                      num_buckets=_num_buckets(sync), bucket_size=None if sync is None else bucket_size,
-                      notes=(f"XLA options {options}",) if options else ())
+        shown.compiling(k, strat.name)
+        try:
+            report = plan(step, *args, target=target, topology=topology, compiler_options=options or None,
+                          scope=None if sync is None else SCOPE_PREFIX, strategy=strat.name,
+                          num_buckets=_num_buckets(sync), bucket_size=None if sync is None else bucket_size,
+                          notes=(f"XLA options {options}",) if options else ())
+        except BaseException:
+            shown.failed()
+            raise
+        shown.compiled(report)
         rows.append(Row(strat.name, report))
-    model = (f"{name}: " if name else "") + describe_model(params, batch)
     return Comparison(tuple(rows), target, topology, n, model, largest_leaf(params))
 
 

@@ -18,7 +18,7 @@ Python (``jax_drain.plan`` re-exports this module's public names and the targets
     from jax_drain import plan
 
     report = plan.plan_preset("gpt-blocks", strategy="fp32_accum+drain", num_buckets=24)
-    print(report.table())
+    print(report)   # report.table()
 
     # or any jitted step over a mesh of compile-only devices, with abstract inputs:
     mesh = plan.gpu_mesh((8,), ("data",))
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import pathlib
 import re
 import time
 from typing import Any, Callable, Sequence
@@ -127,7 +128,10 @@ class Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What XLA's GPU compiler made of one step. Bytes are per device."""
+    """What XLA's GPU compiler made of one step. Bytes are per device.
+
+    ``print(plan)`` (and its ``repr``) shows :meth:`table`.
+    """
 
     target: str
     topology: str
@@ -265,8 +269,15 @@ class Plan:
         body = ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
         return "\n".join(head + body)
 
-    def plot(self, path: str) -> None:
-        """Writes a PNG: live bytes over the schedule, with each collective's span shaded."""
+    def __str__(self) -> str:
+        return self.table()
+
+    __repr__ = __str__
+
+    def plot(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Writes a PNG: live bytes over the schedule, with each collective's span shaded.
+
+        Returns the absolute path written."""
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(9, 4))
         ax.plot([b / 2**20 for b in self.live_bytes], lw=1, color="tab:blue", label="live bytes (approx.)")
@@ -281,6 +292,7 @@ class Plan:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+        return pathlib.Path(path).absolute()
 
 
 def collective_counts(collectives: Sequence[Collective]) -> list[dict[str, Any]]:
