@@ -227,7 +227,8 @@ class TrainState(NamedTuple):
     ``opt_state`` is ``None`` from :meth:`TrainStep.init` only when the step was built without
     ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
     ``model_state``: an nnx model's non-``nnx.Param`` state (batch statistics, RNG counters
-    and keys, as raw key data), replicated and updated by every step; ``None`` for a pytree.
+    and keys, as raw key data), replicated and updated by every step that is not skipped (a
+    skipped step keeps it bit for bit); ``None`` for a pytree.
     ``error_feedback``: each device's wire rounding residuals with
     ``TrainConfig(error_feedback=True)`` (:class:`~jax_drain.feedback.ErrorFeedback`), else ``None``.
     """
@@ -326,13 +327,13 @@ class TrainStep:
         # A copy, never an alias: the step donates its input state, which must not delete the
         # caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even
         # with may_alias=False when it reshards; a jitted copy never does.)
-        source = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self._param_shardings)(params)
+        source = jax.jit(_copy, out_shardings=self._param_shardings)(params)
         whole = NamedSharding(self.mesh, P())
         step = jax.device_put(jnp.zeros((), jnp.int32), whole)
         model_state = None
         if self._model_state is not None:
             model_state = _model_state(self._model) if self._model is not None else self._model_state
-            model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=whole)(model_state)
+            model_state = jax.jit(_copy, out_shardings=whole)(model_state)
         if self.optimizer is None:  # built by the first call, which also casts the params
             return TrainState(source, None, step, model_state)
         return TrainState(self._working_params(source), self.optimizer.init_sharded(source), step, model_state,
@@ -389,16 +390,23 @@ class TrainStep:
 
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
         """Writes ``state``'s parameters and other model state (batch statistics, RNG counters)
-        into the nnx ``model`` (in place)."""
+        into the nnx ``model`` (in place), as copies: later steps, which donate the state, leave
+        the model usable.
+
+        Example::
+
+            step.update_model(model, state)
+            logits = model(x)                     # evaluate; training may go on from `state`
+        """
         if self._model is None:
-            raise ValueError("this step was built from a params pytree, not an nnx model")
+            raise ValueError("this step was built from a params pytree, not an nnx model: use step.master_params(state)")
         param_state = nnx.state(model, nnx.Param)
         exact = self.config.param_dtype is None and not self.config.shard_params
-        nnx.replace_by_pure_dict(param_state, state.params if exact else self.master_params(state))
+        nnx.replace_by_pure_dict(param_state, jax.jit(_copy)(state.params) if exact else self.master_params(state))
         nnx.update(model, param_state)
         if state.model_state is not None:
             *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
-            nnx.replace_by_pure_dict(other, state.model_state[1])
+            nnx.replace_by_pure_dict(other, jax.jit(_copy)(state.model_state[1]))
             nnx.update(model, other)
 
     @property
@@ -485,7 +493,8 @@ class TrainStep:
                 return None
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
-        mask = stacked_leaves(self._scalar_loss(in_shard_map=False), self._abstract_params, local_micro)
+        mask = stacked_leaves(self._with_data_axes(self._scalar_loss(in_shard_map=False)), self._abstract_params,
+                              local_micro)
         if not any(jax.tree.leaves(mask)):
             if wanted is None:
                 return None
@@ -495,6 +504,19 @@ class TrainStep:
                 "scan_layers=False for an unrolled model"
             )
         return mask
+
+    def _with_data_axes(self, loss: Callable[[PyTree, PyTree], jax.Array]) -> Callable[[PyTree, PyTree], jax.Array]:
+        """``loss`` traced with the data axes' names bound (size-1 ``vmap`` axes), so that the
+        model's collectives over them (``BatchNorm(axis_name="data")``) trace outside ``shard_map``."""
+
+        def bound(p: PyTree, b: PyTree) -> jax.Array:
+            fn = lambda b: loss(p, b)
+            for name in reversed(self.config.data_axes):
+                fn = jax.vmap(fn, axis_name=name)
+            ones = (1,) * len(self.config.data_axes)
+            return fn(jax.tree.map(lambda x: jnp.reshape(x, ones + x.shape), b))
+
+        return bound
 
     def _ready(self, state: Any, batch: PyTree) -> TrainState:
         if self.optimizer is None:
@@ -524,6 +546,7 @@ class TrainStep:
         config = self.config
         device = jax.lax.axis_index(self.sync.data_axes)
         loss_fn = lambda p, state, b: self._loss(p, state, b, device)
+        old_model_state = model_state
         if config.shard_params:
             grad_fn = zero3.value_and_grad(self.sync, loss_fn, gather_max_in_flight=self.optimizer.gather_max_in_flight,
                                            has_state=True,
@@ -541,9 +564,11 @@ class TrainStep:
             shards, opt_state, skip_nonfinite=config.skip_nonfinite, skip_grad_norm_above=config.skip_grad_norm_above,
             gather=not config.shard_params)
         params = zero3.ParamShards(new_params, params.layout) if config.shard_params else new_params
+        keep = lambda old, new: jnp.where(report.skipped, old, new)
+        # A skipped step's batch must leave no trace: its NaN would stay in the running statistics.
+        model_state = jax.tree.map(keep, old_model_state, model_state)
         if feedback is not None:
             # A skipped step sent nothing that counts: its rounding must not be fed back either.
-            keep = lambda old, new: jnp.where(report.skipped, old, new)
             feedback = ErrorFeedback(jax.tree.map(keep, feedback.residuals, residuals), feedback.fingerprint)
         metrics = StepMetrics(loss, report.grad_norm, report.skipped, report.nonfinite_buckets)
         return params, opt_state, model_state, feedback, metrics
@@ -614,6 +639,11 @@ def _working(tree: PyTree, dtype: Any) -> PyTree:
 def _check_like(tree: PyTree, abstract: PyTree) -> None:
     expected = [(path, tuple(x.shape), np.dtype(x.dtype)) for path, x in zip(leaf_paths(abstract), jax.tree.leaves(abstract))]
     check_leaves(tree, jax.tree.structure(abstract), expected, "params", "the params the step was built with")
+
+
+def _copy(tree: PyTree) -> PyTree:
+    """``tree``'s arrays copied (jit it): new buffers, which no donation of the state can delete."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def make_train_step(
