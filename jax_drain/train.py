@@ -671,6 +671,7 @@ def make_train_step(
             masks and clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
             :func:`jax_drain.clip_by_global_norm` (see :class:`~jax_drain.DistributedOptimizer`).
         mesh: the device mesh; the batch is split over ``config.outer_axis`` and ``config.axis``.
+            Collectives in the model (``BatchNorm(axis_name=...)``) name these axes.
         config: :class:`TrainConfig` (defaults if ``None``).
         example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``s) to trace the loss
             on for the gradient-ready bucket order now; without it the first call's batch is
@@ -681,6 +682,7 @@ def make_train_step(
         (:class:`StepMetrics`: ``metrics.loss``, ``grad_norm``, ``skipped``, ``nonfinite_buckets``).
     """
     config = config or TrainConfig()
+    call = _AxisContext(mesh, config.data_axes).call
     if isinstance(model, nnx.Module):
         graphdef, param_state, key_state, _ = nnx.split(model, nnx.Param, nnx.RngKey, ...)
         params = nnx.to_pure_dict(param_state)
@@ -692,7 +694,7 @@ def make_train_step(
             if device is not None:  # a dropout mask of its own on every data-parallel device
                 keys = [_fold_in(k, device) for k in keys]
             merged = nnx.merge(graphdef, p, jax.tree.unflatten(jax.tree.structure(key_data), keys), other)
-            out = loss_fn(merged, batch)
+            out = call(loss_fn, merged, batch)
             *_, new_other = nnx.split(merged, nnx.Param, nnx.RngKey, ...)
             return out, (key_data, nnx.to_pure_dict(new_other))
 
@@ -700,9 +702,54 @@ def make_train_step(
 
     def plain_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
         del device
-        return loss_fn(p, batch), state
+        return call(loss_fn, p, batch), state
 
     return TrainStep(model, plain_loss, None, tx, mesh, config, example_batch, None)
+
+
+class _AxisContext:
+    """Calls the user's loss, turning a collective over an axis name the mesh lacks into a
+    ``ValueError`` that names it and the mesh's axes (JAX raises a bare ``AssertionError`` or
+    ``NameError`` from deep inside ``psum``)."""
+
+    def __init__(self, mesh: Mesh, data_axes: tuple[str, ...]):
+        self.mesh_axes, self.data_axes = tuple(mesh.axis_names), data_axes
+
+    def call(self, loss_fn: Callable[[Any, PyTree], Any], model: Any, batch: PyTree) -> Any:
+        try:
+            return loss_fn(model, batch)
+        except (AssertionError, NameError) as e:
+            missing = self.unbound_axes(e)
+            if not missing:
+                raise
+            axes = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
+            raise ValueError(
+                f"the model's collectives use the axis name {', '.join(map(repr, missing))} (e.g. "
+                f"BatchNorm(axis_name={missing[0]!r})), which the mesh does not have: its axes are "
+                f"{self.mesh_axes}, the step's data axes {self.data_axes}. The model's axis_name and the mesh "
+                f"must agree: give the model axis_name={axes!r}, or name the mesh's data axis {missing[0]!r} "
+                f"and build the step with TrainConfig(axis={missing[0]!r})"
+            ) from e
+
+    def unbound_axes(self, error: BaseException) -> tuple[str, ...]:
+        """The axis names that the collective ``error`` was raised in was called with and the
+        mesh does not have; empty when ``error`` comes from somewhere else."""
+        missing: list[str] = []
+        tb = error.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_globals.get("__name__") == _COLLECTIVES_MODULE and "axis_name" in frame.f_locals:
+                names = frame.f_locals["axis_name"]
+                for name in names if isinstance(names, (tuple, list)) else (names,):
+                    if isinstance(name, str) and name not in self.mesh_axes and name not in missing:
+                        missing.append(name)
+            tb = tb.tb_next
+        return tuple(missing)
+
+
+#: Where ``jax.lax.psum``, ``pmean``, ``all_gather``, ``axis_index`` ... are defined: their
+#: ``axis_name`` argument is what an unbound-axis error is about.
+_COLLECTIVES_MODULE = jax.lax.psum.__module__
 
 
 def _fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
