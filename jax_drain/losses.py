@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class WeightedLoss(NamedTuple):
@@ -72,11 +73,38 @@ def split_output(out: Any, has_aux: bool, has_state: bool) -> LocalStep:
     if isinstance(value, WeightedLoss):
         total, count = value.total, jnp.asarray(value.count, jnp.float32)
     else:
+        check_loss_value(value)
         total, count = value, None
     if jnp.ndim(total) != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (or jax_drain.WeightedLoss of scalars), got shape {jnp.shape(total)}")
     return LocalStep(jnp.asarray(total, jnp.float32), count, aux, new_state)
+
+
+#: What a loss may return, for error messages.
+LOSS_FORMS = ("a scalar mean loss (a jax array or Python float), or jax_drain.WeightedLoss(total, count) for a "
+              "per-token loss")
+
+
+def check_loss_value(value: Any) -> None:
+    """Raises a ``ValueError`` saying what a loss may return unless ``value`` is a scalar-like
+    array or number (its shape is checked afterwards).
+
+    A tuple is the usual mistake: Flax linen's ``module.apply(..., mutable=[...])`` returns
+    ``(output, updates)``, and a loss passing that on returns ``(loss, updates)``, which
+    :func:`jax_drain.make_train_step` takes only when told which collections are mutable.
+    """
+    if isinstance(value, (jax.Array, np.ndarray, np.generic, int, float)) and not isinstance(value, bool):
+        return
+    if isinstance(value, (tuple, list)):
+        raise ValueError(
+            f"loss_fn returned a {type(value).__name__} of {len(value)}; a loss returns {LOSS_FORMS}. "
+            "Flax linen's mutable collections (batch statistics) are returned as (loss, updates), "
+            "updates being what module.apply(variables, x, mutable=['batch_stats']) returns, by a "
+            "loss_fn(variables, batch) given to jd.make_train_step(variables, loss_fn, tx, mesh, "
+            "mutable=['batch_stats']); an nnx model updates its state in place and returns the loss only"
+        )
+    raise ValueError(f"loss_fn returned a {type(value).__name__}; a loss returns {LOSS_FORMS}")
 
 
 def pack_value(loss: jax.Array, aux: Any, state: Any, has_aux: bool, has_state: bool) -> Any:
