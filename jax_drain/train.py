@@ -45,17 +45,32 @@ Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block paramet
 ``TrainConfig(scan_layers=True)`` and an ``example_batch``; a :class:`~jax_drain.ScanGradSync`
 reduce-scatters each layer's gradient inside the backward scan.
 
-For ``flax.linen`` (or plain functions) pass the params pytree and ``loss_fn(params, batch)``::
+``flax.linen``: pass the variables ``module.init`` returns and the collections the loss updates,
+as ``module.apply(..., mutable=[...])`` takes them; the loss returns ``(loss, updates)``. Only
+``variables["params"]`` is trained; the other collections live in ``TrainState.model_state``::
 
-    step = jd.make_train_step(variables["params"],
-                              lambda p, b: loss(module.apply({"params": p}, b["x"]), b["y"]),
-                              optax.sgd(0.1), mesh)
+    variables = module.init(jax.random.key(0), x, train=False)   # {"params", "batch_stats"}
+
+    def loss_fn(variables, batch):
+        logits, updates = module.apply(variables, batch["x"], train=True, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), updates
+
+    step = jd.make_train_step(variables, loss_fn, optax.sgd(0.1, momentum=0.9), mesh,
+                              mutable=["batch_stats"])
+    state = step.init()
+    ...
+    logits = module.apply(step.variables(state), x, train=False)
+
+The model's ``BatchNorm(axis_name=...)`` names the mesh's data axis (``TrainConfig(axis=...)``),
+so that the statistics are those of the global batch. Without model state, a params pytree and
+``loss_fn(params, batch)`` do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -63,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, zero3
@@ -73,7 +89,7 @@ from jax_drain.feedback import (
     init_error_feedback,
 )
 from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
-from jax_drain.losses import split_output
+from jax_drain.losses import WeightedLoss, split_output
 from jax_drain.mesh import (
     AxisSpec, ExpertSpec, as_axes, axes_size, check_array_leaves, check_mesh, check_mesh_axes, leaf_specs,
 )
@@ -227,7 +243,8 @@ class TrainState(NamedTuple):
     ``opt_state`` is ``None`` from :meth:`TrainStep.init` only when the step was built without
     ``example_batch``: the first call traces the bucket order from its batch, then fills it in.
     ``model_state``: an nnx model's non-``nnx.Param`` state (batch statistics, RNG counters
-    and keys, as raw key data), replicated and updated by every step that is not skipped (a
+    and keys, as raw key data), or a linen variables dict's collections other than ``params``
+    (``{"batch_stats": ...}``), replicated and updated by every step that is not skipped (a
     skipped step keeps it bit for bit); ``None`` for a pytree.
     ``error_feedback``: each device's wire rounding residuals with
     ``TrainConfig(error_feedback=True)`` (:class:`~jax_drain.feedback.ErrorFeedback`), else ``None``.
@@ -275,6 +292,8 @@ class TrainStep:
         config: TrainConfig,
         example_batch: PyTree | None,
         model: nnx.Module | None,
+        *,
+        linen: bool = False,
     ):
         check_mesh(mesh)
         check_array_leaves(params)
@@ -285,6 +304,7 @@ class TrainStep:
         # init() reads the model's params when it is called (or the given pytree's); the step
         # itself only needs their shapes.
         self._model, self._source = model, (params if model is None else None)
+        self._linen = linen  # model_state holds a linen variables dict's collections other than params
         self._model_params = _abstract(params)  # the model's own dtypes: the master shards' source
         self._abstract_params = _working(self._model_params, config.param_dtype)
         check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
@@ -316,9 +336,18 @@ class TrainStep:
 
     def init(self, params: PyTree | nnx.Module | None = None) -> TrainState:
         """A fresh state: the model's current (or the given) params placed on the mesh by their
-        specs, optimizer state sharded. The caller's arrays are copied, never donated."""
+        specs, optimizer state sharded. The caller's arrays are copied, never donated. A linen
+        step (``mutable=``) takes a whole variables dict, whose other collections start the
+        model state."""
+        model_state = self._model_state
         if params is None:
             params = self._model if self._model is not None else self._source
+        elif self._linen:
+            if not isinstance(params, Mapping) or set(params) != {"params", *self._model_state}:
+                raise ValueError(f"a linen step's init takes a variables dict with the collections "
+                                 f"{['params', *self._model_state]}, like the one the step was built from")
+            params, model_state = params["params"], {k: unfreeze(v) for k, v in params.items() if k != "params"}
+            _check_like(model_state, _abstract(self._model_state), what="model state")
         if isinstance(params, nnx.Module):
             params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
@@ -330,9 +359,8 @@ class TrainStep:
         source = jax.jit(_copy, out_shardings=self._param_shardings)(params)
         whole = NamedSharding(self.mesh, P())
         step = jax.device_put(jnp.zeros((), jnp.int32), whole)
-        model_state = None
-        if self._model_state is not None:
-            model_state = _model_state(self._model) if self._model is not None else self._model_state
+        if model_state is not None:
+            model_state = _model_state(self._model) if self._model is not None else model_state
             model_state = jax.jit(_copy, out_shardings=whole)(model_state)
         if self.optimizer is None:  # built by the first call, which also casts the params
             return TrainState(source, None, step, model_state)
@@ -399,7 +427,9 @@ class TrainStep:
             logits = model(x)                     # evaluate; training may go on from `state`
         """
         if self._model is None:
-            raise ValueError("this step was built from a params pytree, not an nnx model: use step.master_params(state)")
+            raise ValueError(
+                "this step was built from a linen variables dict: use step.variables(state)" if self._linen else
+                "this step was built from a params pytree, not an nnx model: use step.master_params(state)")
         param_state = nnx.state(model, nnx.Param)
         exact = self.config.param_dtype is None and not self.config.shard_params
         nnx.replace_by_pure_dict(param_state, jax.jit(_copy)(state.params) if exact else self.master_params(state))
@@ -408,6 +438,23 @@ class TrainStep:
             *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
             nnx.replace_by_pure_dict(other, jax.jit(_copy)(state.model_state[1]))
             nnx.update(model, other)
+
+    def variables(self, state: TrainState) -> dict[str, PyTree]:
+        """A linen step's trained variables as host arrays, for ``module.apply``: ``{"params":
+        ..., **other collections}``, the params at master precision (:meth:`master_params`).
+
+        Example::
+
+            variables = step.variables(state)
+            logits = module.apply(variables, x, train=False)
+        """
+        if not self._linen:
+            raise ValueError(
+                "variables() is for a step built from linen variables (make_train_step(..., mutable=[...])); "
+                + ("use step.update_model(model, state)" if self._model is not None else
+                   "use step.master_params(state)"))
+        params = self.master_params(state)
+        return {"params": params, **jax.tree.map(np.asarray, jax.device_get(state.model_state))}
 
     @property
     def _param_shardings(self) -> PyTree:
@@ -428,6 +475,8 @@ class TrainStep:
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
         the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""
+        if state.opt_state is None:  # not stepped yet (built without example_batch): the model's own
+            return jax.tree.map(np.asarray, jax.device_get(state.params))
         description = json.loads(state.opt_state.layout.description)
         by_path = host_to_params(description, [np.asarray(jax.device_get(m)) for m in state.opt_state.master])
         return jax.tree.unflatten(jax.tree.structure(self._model_params), [
@@ -636,9 +685,9 @@ def _working(tree: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
-def _check_like(tree: PyTree, abstract: PyTree) -> None:
+def _check_like(tree: PyTree, abstract: PyTree, what: str = "params") -> None:
     expected = [(path, tuple(x.shape), np.dtype(x.dtype)) for path, x in zip(leaf_paths(abstract), jax.tree.leaves(abstract))]
-    check_leaves(tree, jax.tree.structure(abstract), expected, "params", "the params the step was built with")
+    check_leaves(tree, jax.tree.structure(abstract), expected, what, f"the {what} the step was built with")
 
 
 def _copy(tree: PyTree) -> PyTree:
@@ -648,12 +697,13 @@ def _copy(tree: PyTree) -> PyTree:
 
 def make_train_step(
     model: nnx.Module | PyTree,
-    loss_fn: Callable[[Any, PyTree], jax.Array],
+    loss_fn: Callable[[Any, PyTree], Any],
     tx: optax.GradientTransformation,
     mesh: Mesh,
     config: TrainConfig | None = None,
     *,
     example_batch: PyTree | None = None,
+    mutable: Sequence[str] = (),
 ) -> TrainStep:
     """Builds a jitted sharded train step; see the module docstring for examples.
 
@@ -661,12 +711,17 @@ def make_train_step(
         model: an ``nnx.Module`` (its ``nnx.Param``s are trained; its other state -- batch
             statistics, RNG counters -- is carried in ``TrainState.model_state`` and updated every
             step; RNG keys are folded with the device index, so each data-parallel device draws
-            its own dropout masks, reproducibly across a checkpoint resume), or a params
-            pytree (e.g. linen's ``variables["params"]``; arrays, or ``jax.ShapeDtypeStruct``s
+            its own dropout masks, reproducibly across a checkpoint resume); with ``mutable``, a
+            Flax linen variables dict (``module.init(...)``: ``{"params": ..., "batch_stats":
+            ...}``), whose ``params`` are trained and whose other collections are carried in
+            ``TrainState.model_state``; or a params pytree (arrays, or ``jax.ShapeDtypeStruct``s
             to only :meth:`~TrainStep.lower` the step). Global shapes.
-        loss_fn: ``loss_fn(model, batch)`` for an nnx model, ``loss_fn(params, batch)`` for a
-            pytree: a scalar mean loss over the examples it is given (a micro-batch of one
-            device's share of the batch). It runs inside ``shard_map`` on local parameter blocks.
+        loss_fn: ``loss_fn(model, batch)`` for an nnx model, ``loss_fn(variables, batch)`` with
+            ``mutable``, ``loss_fn(params, batch)`` for a pytree: the mean loss over the examples
+            it is given (a micro-batch of one device's share of the batch), a scalar or a
+            :class:`~jax_drain.WeightedLoss`; with ``mutable``, ``(loss, updates)``, ``updates``
+            being the collections ``module.apply(variables, x, mutable=mutable)`` returns. It runs
+            inside ``shard_map`` on local parameter blocks.
         tx: an optax transform that means the same on flat shards as on the tree (checked once);
             masks and clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
             :func:`jax_drain.clip_by_global_norm` (see :class:`~jax_drain.DistributedOptimizer`).
@@ -676,13 +731,41 @@ def make_train_step(
         example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``s) to trace the loss
             on for the gradient-ready bucket order now; without it the first call's batch is
             traced (and ``abstract_state`` is available only after that call).
+        mutable: the linen collections the loss updates, as for ``module.apply(...,
+            mutable=[...])`` (e.g. ``["batch_stats"]``); given, ``model`` is the variables dict.
+            Each step replaces these collections by the loss's ``updates`` (cross-device
+            statistics need ``BatchNorm(axis_name=<the data axis>)``), keeps them on a skipped
+            step, and checkpoints them with the state; :meth:`TrainStep.variables` returns the
+            trained variables.
 
     Returns:
         A :class:`TrainStep`: ``state = step.init()``, then ``state, metrics = step(state, batch)``
         (:class:`StepMetrics`: ``metrics.loss``, ``grad_norm``, ``skipped``, ``nonfinite_buckets``).
+
+    Example (Flax linen with batch statistics)::
+
+        variables = module.init(jax.random.key(0), x[:1], train=False)
+
+        def loss_fn(variables, batch):
+            logits, updates = module.apply(variables, batch["x"], train=True, mutable=["batch_stats"])
+            return cross_entropy(logits, batch["y"]), updates
+
+        step = jd.make_train_step(variables, loss_fn, optax.adam(1e-3), mesh, mutable=["batch_stats"])
     """
     config = config or TrainConfig()
     call = _AxisContext(mesh, config.data_axes).call
+    collections = _check_mutable(model, mutable)
+    if collections:
+        params = unfreeze(model["params"])
+        others = {name: unfreeze(value) for name, value in model.items() if name != "params"}
+
+        def linen_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
+            del device
+            out = call(loss_fn, {"params": p, **state}, batch)
+            return _linen_output(out, state, collections)
+
+        return TrainStep(params, linen_loss, others, tx, mesh, config, example_batch, None, linen=True)
+
     if isinstance(model, nnx.Module):
         graphdef, param_state, key_state, _ = nnx.split(model, nnx.Param, nnx.RngKey, ...)
         params = nnx.to_pure_dict(param_state)
@@ -705,6 +788,72 @@ def make_train_step(
         return call(loss_fn, p, batch), state
 
     return TrainStep(model, plain_loss, None, tx, mesh, config, example_batch, None)
+
+
+def _check_mutable(model: Any, mutable: Sequence[str]) -> tuple[str, ...]:
+    """``mutable`` as a tuple of collection names, checked against the linen variables ``model``."""
+    names = (mutable,) if isinstance(mutable, str) else mutable
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"mutable must list collection names, e.g. mutable=['batch_stats'], got {mutable!r}")
+    names = tuple(dict.fromkeys(names))
+    if not names:
+        return ()
+    if isinstance(model, nnx.Module):
+        raise ValueError("mutable= is for Flax linen variables; an nnx model's state (batch statistics, RNG "
+                         "counters) is carried and updated without it: drop mutable=")
+    if not isinstance(model, Mapping) or "params" not in model:
+        raise ValueError(
+            f"with mutable={list(names)} the model is a linen variables dict, {{'params': ..., "
+            f"'{names[0]}': ...}} as module.init(...) returns it; got {type(model).__name__}"
+            + (f" with collections {sorted(model)}" if isinstance(model, Mapping) else ""))
+    if "params" in names:
+        raise ValueError("'params' are trained by the optimizer, not updated by the loss: leave it out of mutable=")
+    missing = [n for n in names if n not in model]
+    if missing:
+        raise ValueError(
+            f"mutable={list(names)}: the variables have no collection {', '.join(map(repr, missing))} (they have "
+            f"{sorted(model)}); pass the variables module.init(...) returns, which include every collection "
+            "the model creates")
+    return names
+
+
+def _linen_output(out: Any, state: dict, mutable: tuple[str, ...]) -> tuple[Any, dict]:
+    """A linen loss's ``(loss, updates)`` as ``(loss, new model state)``: the collections in
+    ``updates`` replace those in ``state``, the others are passed through."""
+    shape = f"(loss, updates), updates being what module.apply(variables, x, mutable={list(mutable)}) returns"
+    if isinstance(out, WeightedLoss) or not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"with mutable={list(mutable)} loss_fn must return {shape}; got {_describe(out)}")
+    value, updates = out
+    if not isinstance(updates, Mapping):
+        raise ValueError(f"with mutable={list(mutable)} loss_fn must return {shape}; its second element is "
+                         f"{_describe(updates)}, not a dict of collections")
+    unexpected = [name for name in updates if name not in mutable]
+    if unexpected:
+        raise ValueError(f"loss_fn returned updates of {unexpected}, which are not in mutable={list(mutable)}; "
+                         "list every collection the loss updates in make_train_step(..., mutable=[...])")
+    new = dict(state)
+    for name, collection in updates.items():
+        collection = unfreeze(collection)
+        old_leaves, old_tree = jax.tree.flatten(state[name])
+        leaves, tree = jax.tree.flatten(collection)
+        if tree != old_tree or any(np.shape(a) != np.shape(b) for a, b in zip(leaves, old_leaves)):
+            raise ValueError(
+                f"the updated collection {name!r} differs in structure or shapes from the one the step was "
+                f"built with: {jax.tree.map(np.shape, collection)} against {jax.tree.map(np.shape, state[name])}. "
+                "Build the step from the variables module.init(...) returns")
+        # The state keeps its types from step to step (the jitted step donates and reuses it).
+        new[name] = jax.tree.unflatten(old_tree, [jnp.asarray(a, b.dtype) for a, b in zip(leaves, old_leaves)])
+    return value, new
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, WeightedLoss):
+        return "a WeightedLoss alone"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} alone"
+    return type(value).__name__
 
 
 class _AxisContext:
