@@ -1,5 +1,6 @@
-"""Runs that survive: non-finite gradients skip the update bit for bit, metrics report it, a
-consumed (donated) state is refused with a Python error."""
+"""Runs that survive: non-finite gradients skip the update bit for bit, model state (batch
+statistics, RNG counters) included, metrics report it, a consumed (donated) state is refused with
+a Python error."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import data_mesh
+from flax import nnx
+from flax_models import (
+    CNN, LinenResNet, Stack, cnn_loss, image_batches, linen_loss, linen_variables, stack_loss, vector_batches,
+)
 
 import jax_drain as jd
 
@@ -122,3 +127,63 @@ def test_the_skip_works_for_a_scanned_stack_with_micro_batches():
     assert bool(metrics.skipped) and int(metrics.nonfinite_buckets) > 0
     _same(after.params, state.params)
     _same(after.opt_state, state.opt_state)
+
+
+# -- model state on a skipped step ---------------------------------------------------------------
+
+
+def _stateful(kind: str, shard_params: bool):
+    """A step over a model with state besides its parameters, and its batches: an nnx CNN
+    (BatchNorm, dropout), a linen ResNet-style block (batch_stats) and an nnx.scan stack with a
+    BatchNorm and a dropout stream in every layer (ScanGradSync, 2 micro-batches)."""
+    config = dict(bucket_size=300, donate=True, shard_params=shard_params)
+    mesh = data_mesh(8)
+    if kind == "nnx":
+        batches = image_batches(3, seed=4)
+        model = CNN(axis_name="data", dropout=0.3, rngs=nnx.Rngs(0, dropout=1))
+        step = jd.make_train_step(model, cnn_loss, jd.adamw(1e-2), mesh, jd.TrainConfig(**config),
+                                  example_batch=batches[0])
+    elif kind == "linen":
+        batches = image_batches(3, seed=5)
+        module = LinenResNet(axis_name="data")
+        step = jd.make_train_step(linen_variables(module), linen_loss(module), jd.adamw(1e-2), mesh,
+                                  jd.TrainConfig(**config), example_batch=batches[0], mutable=["batch_stats"])
+    else:
+        batches = vector_batches(3, seed=6)
+        model = Stack(axis_name="data", rngs=nnx.Rngs(0, dropout=1))
+        step = jd.make_train_step(model, stack_loss, jd.adamw(1e-2), mesh,
+                                  jd.TrainConfig(scan_layers=True, microbatches=2, **config), example_batch=batches[0])
+        assert step.scan_layers
+    return step, batches
+
+
+def _host(tree):
+    return jax.tree.map(np.array, jax.device_get(tree))
+
+
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
+@pytest.mark.parametrize("kind", ["nnx", "linen", "nnx_scan"])
+def test_a_skipped_step_keeps_batch_statistics_and_rng_counters_bit_for_bit(kind, shard_params):
+    """A NaN in one example of one device's batch: the step is skipped and the model state
+    (running statistics, RNG counters) is the state from before it, bit for bit, with the
+    input state donated; the next healthy step moves it again."""
+    step, (first, bad, healthy) = _stateful(kind, shard_params)
+    state, _ = step(step.init(), first)
+    before = _host(state)
+    bad["x"][3] = np.nan  # device 1's share (two examples per device)
+    after, metrics = step(state, bad)
+    assert bool(metrics.skipped)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.model_state))  # donated
+    _same(after.model_state, before.model_state)
+    _same(after.params, before.params)
+    _same(after.opt_state, before.opt_state)
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(before.model_state)]
+    counts = [path for path in paths if "count" in path]
+    assert (len(counts) > 0) == (kind != "linen")  # the nnx models' dropout counters are among them
+    healed, metrics = step(after, healthy)
+    assert not bool(metrics.skipped)
+    moved = _host(healed.model_state)
+    for path, old, new in zip(paths, jax.tree.leaves(before.model_state), jax.tree.leaves(moved)):
+        if "key" not in path:  # RNG keys never change; counters and statistics do
+            assert not np.array_equal(old, new), f"{path} did not move"
+        assert np.all(np.isfinite(new))
