@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
@@ -80,6 +81,216 @@ def assert_padding_zero(layout, buckets, what: str = "result") -> None:
     for bucket, array in zip(layout.buckets, buckets):
         pad = np.asarray(array)[..., bucket.num_elements:]
         assert not np.any(pad), f"{what}: bucket {bucket.index} has non-zero padding {pad[pad != 0][:4]}"
+
+
+# -- tolerances derived from the computation ----------------------------------------------------
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2**-23; one float32 rounding moves a value by <= EPS32 / 2 of it
+
+
+# Eight devices' terms added in float32 and the mean's division: the relative bound of every
+# device sum the tests compare against float64, times the sum of |terms| per element.
+DEVICE_SUM_RTOL = 9 * EPS32
+
+
+def rounding_bound(additions: int, scale, eps: float = EPS32):
+    """How far two evaluations of one computation may drift apart by rounding alone.
+
+    A float sum of ``n`` terms computed in any order is within ``(n - 1) * eps / 2`` of the
+    sum of the terms' magnitudes from the exact sum, so two evaluations that add in different
+    orders (another fusion, device count, thread split or micro-batching) differ by at most
+    ``n * eps`` times it. A longer computation adds its steps' bounds: ``additions`` is the
+    number of roundings on the longest chain from the inputs to the result (the contraction
+    lengths along forward and backward, the examples summed, the devices and micro-batches),
+    counted from the computation under test; ``scale`` the magnitude of what is added there
+    (the result's own for sums of like-signed terms, the sum of ``|terms|`` where they cancel).
+    A tolerance is this bound, never a number tuned until the test passes.
+    """
+    return additions * eps * np.asarray(scale, np.float64)
+
+
+def assert_within_rounding(got, want, *, additions: int, scale=None, eps: float = EPS32,
+                           what: str = "result") -> None:
+    """Per leaf and element, ``|got - want| <= rounding_bound(additions, scale, eps)``.
+
+    ``scale``: ``None`` is each leaf's own largest ``|want|`` (never its bucket's); a number; or a
+    tree like ``want`` of per-element scales. Fails naming the worst leaves by path.
+    """
+    def bound(w, s):
+        s = np.max(np.abs(w), initial=0.0) if s is None else s
+        return rounding_bound(additions, s, eps)
+
+    want_leaves = jax.tree.leaves(want)
+    if scale is None or np.isscalar(scale):
+        bounds = [bound(np.asarray(w, np.float64), scale) for w in want_leaves]
+    else:
+        bounds = [bound(None, s) for s in jax.tree.leaves(scale)]
+    assert_within(got, want, jax.tree.unflatten(jax.tree.structure(want), bounds),
+                  what=f"{what} ({additions} roundings of {eps:.2e})")
+
+
+def assert_within(got, want, bound, *, what: str = "result") -> None:
+    """Per leaf and element, ``|got - want| <= bound`` (a number or a tree like ``want``); fails
+    naming the worst leaves by path, with the element, both values and its bound."""
+    bounds = jax.tree.leaves(bound) if not np.isscalar(bound) else None
+    failures = []
+    for k, (path, g, w) in enumerate(_pairs(got, want)):
+        b = np.broadcast_to(np.asarray(bound if bounds is None else bounds[k], np.float64), w.shape)
+        diff = np.where(np.isfinite(g), np.abs(g - w), np.inf)
+        excess = diff / np.maximum(b, np.finfo(np.float64).tiny)
+        if excess.size and np.max(excess) > 1:
+            at = np.unravel_index(np.argmax(excess), excess.shape)
+            failures.append((float(excess[at]), f"{path} {tuple(w.shape)} element {tuple(int(i) for i in at)}: got "
+                             f"{g[at]:.9g}, want {w[at]:.9g}, |diff| {diff[at]:.3e} > bound {b[at]:.3e}"))
+    if failures:
+        failures.sort(key=lambda f: -f[0])
+        lines = "\n  ".join(msg for _, msg in failures[:8])
+        raise AssertionError(f"{what}: {len(failures)} leaf/leaves beyond their bound, worst first:\n  {lines}")
+
+
+_MOVES = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "select_n", "convert_element_type", "copy", "copy_p",
+    "rev", "iota", "stop_gradient", "optimization_barrier", "device_put", "sharding_constraint", "pvary", "pcast",
+    "axis_index", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "argmax", "argmin", "sign", "abs", "neg",
+    "max", "min", "floor", "ceil", "round", "is_finite", "random_bits", "random_wrap", "random_unwrap",
+    "random_seed", "random_fold_in", "threefry2x32", "shift_right_logical", "shift_left", "bitcast_convert_type",
+})
+
+
+def rounding_chain(fn: Callable, *args) -> int:
+    """The number of float roundings on the longest chain from ``fn``'s inputs to its outputs,
+    counted on its traced jaxpr: a contraction or reduction of ``n`` terms adds ``n``, every
+    other arithmetic operation one, data movement (reshapes, slices, casts, comparisons) none;
+    a scan's body counts once per iteration. The ``additions`` of :func:`rounding_bound` for
+    ``fn`` (add the devices and micro-batches a sync sums over)."""
+    return _chain(jax.make_jaxpr(fn)(*args).jaxpr, None)
+
+
+def _chain(jaxpr, inputs) -> int:
+    depth = {}
+    for var, d in zip(jaxpr.invars, inputs or [0] * len(jaxpr.invars)):
+        depth[var] = d
+    get = lambda v: depth.get(v, 0) if not hasattr(v, "val") else 0
+    for eqn in jaxpr.eqns:
+        start = max((get(v) for v in eqn.invars), default=0)
+        name, params = eqn.primitive.name, eqn.params
+        subs = [getattr(p, "jaxpr", p) for p in params.values() if hasattr(getattr(p, "jaxpr", p), "eqns")]
+        subs += [getattr(b, "jaxpr", b) for b in params.get("branches", ())]
+        if subs:  # calls, remat, custom derivatives, scan / while bodies, cond branches
+            times = params.get("length", 1) if name == "scan" else 1
+            cost = max(_chain(sub, None) for sub in subs) * times
+        elif name == "dot_general":
+            (lhs_contract, _), _ = params["dimension_numbers"]
+            cost = int(np.prod([eqn.invars[0].aval.shape[d] for d in lhs_contract], dtype=np.int64))
+        elif name in ("reduce_sum", "reduce_prod", "cumsum", "cumlogsumexp", "cumprod"):
+            axes = params.get("axes", (params.get("axis", 0),))
+            cost = int(np.prod([eqn.invars[0].aval.shape[a] for a in axes], dtype=np.int64))
+        elif name in ("psum", "psum_scatter", "reduce_scatter", "all_to_all", "all_gather"):
+            cost = 8  # at most the 8 test devices
+        else:
+            cost = 0 if name in _MOVES or name.startswith("reduce_") else 1
+        for v in eqn.outvars:
+            depth[v] = start + cost
+    return max((get(v) for v in jaxpr.outvars), default=0)
+
+
+def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, params=None, b1: float = 0.9,
+                         b2: float = 0.999, eps: float = 1e-8, max_norm: float | None = None,
+                         weight_decay: float = 0.0, rounding: float = EPS32) -> list:
+    """Per step and element, how far two AdamW runs may have moved apart after that step when
+    each step's gradient is off by ``rounding_bound(additions, that leaf's largest |g|)``; to
+    first order in the errors.
+
+    Adam divides by ``sqrt(v)``, so a rounding error in a gradient near zero moves its update
+    by far more than ``additions`` roundings of the update. The bound is the update's own
+    sensitivity, ``dm / (sqrt(v) + eps) + |m| dv / (2 sqrt(v) (sqrt(v) + eps) ** 2)``, with ``dm``
+    and ``dv`` the errors the moment averages carry, evaluated on the reference run's
+    ``gradients`` (one tree per step, before ``max_norm`` clipping, which scales errors and
+    gradients alike), plus the update's and the parameters' (``params``) own few roundings.
+    Decoupled weight decay carries the parameters' error on. ``rounding``: the gradient's unit
+    of error (float32's epsilon; ``1 / 127`` of a block's largest value for an int8 wire).
+    Returns one tree per step.
+    """
+    trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
+    treedef = jax.tree.structure(trees[0])
+    scales = ([np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(params)] if params is not None
+              else [0.0] * treedef.num_leaves)
+    m, v, dm, dv, bound = ([np.zeros_like(x) for x in jax.tree.leaves(trees[0])] for _ in range(5))
+    out = []
+    for t, tree in enumerate(trees, 1):
+        step = jax.tree.leaves(tree)
+        norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
+        clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
+        for i, g in enumerate(step):
+            delta = clip * rounding_bound(additions, np.max(np.abs(g), initial=0.0), rounding)
+            g = clip * g
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g ** 2
+            dm[i] = b1 * dm[i] + (1 - b1) * delta
+            dv[i] = b2 * dv[i] + (1 - b2) * 2 * np.abs(g) * delta
+            m_hat, dm_hat = m[i] / (1 - b1 ** t), dm[i] / (1 - b1 ** t)
+            v_hat, dv_hat = v[i] / (1 - b2 ** t), dv[i] / (1 - b2 ** t)
+            root = np.sqrt(v_hat)
+            update = np.abs(m_hat) / (root + eps)
+            sensitivity = dm_hat / (root + eps) + update * dv_hat / np.maximum(2 * root * (root + eps), eps ** 2)
+            own = rounding_bound(4, learning_rate * update) + rounding_bound(2, scales[i])
+            bound[i] = bound[i] * (1 + learning_rate * weight_decay) + learning_rate * sensitivity + own
+        out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
+    return out
+
+
+def sgd_rounding_bounds(gradients, *, additions: int, learning_rate: float, momentum: float = 0.0,
+                        params=None, max_norm: float | None = None) -> list:
+    """Per step and element, how far two (heavy-ball) SGD runs may have moved apart after that
+    step when each step's gradient is off by ``rounding_bound(additions, that leaf's largest
+    |g|)``: the update is linear in the gradient, so its errors add up through the momentum
+    buffer; plus the parameters' (``params``) own roundings. ``gradients``: the reference run's,
+    one tree per step, before ``max_norm`` clipping."""
+    trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
+    treedef = jax.tree.structure(trees[0])
+    scales = ([np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(params)] if params is not None
+              else [0.0] * treedef.num_leaves)
+    buffer, bound = ([np.zeros_like(x) for x in jax.tree.leaves(trees[0])] for _ in range(2))
+    out = []
+    for tree in trees:
+        step = jax.tree.leaves(tree)
+        norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
+        clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
+        for i, g in enumerate(step):
+            buffer[i] = momentum * buffer[i] + clip * rounding_bound(additions, np.max(np.abs(g), initial=0.0))
+            bound[i] = bound[i] + learning_rate * buffer[i] + rounding_bound(2, scales[i])
+        out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
+    return out
+
+
+def reference_run(loss_fn: Callable, params, tx, batches) -> tuple:
+    """Plain optax on one device over whole ``batches``: the final params, and each step's loss
+    and gradient (the trajectory bounds' inputs)."""
+    state, losses, gradients = tx.init(params), [], []
+    step = jax.jit(jax.value_and_grad(loss_fn))
+    for batch in batches:
+        loss, grads = step(params, batch)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+        gradients.append(grads)
+    return params, losses, gradients
+
+
+def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32) -> np.ndarray:
+    """Per step, how far two runs' reported losses may differ: step ``t``'s loss is computed on
+    the parameters after step ``t - 1``, which differ by ``param_bounds[t - 1]`` (e.g. from
+    :func:`adam_rounding_bounds`) and move the loss by at most ``sum(|g_t| * bound)`` to first
+    order, plus the loss's own ``additions`` roundings. ``losses`` and ``gradients`` (one tree
+    per step) come from the reference run."""
+    out = []
+    for t, (loss, grads) in enumerate(zip(losses, gradients)):
+        carried = 0.0 if t == 0 else sum(
+            float(np.sum(np.abs(np.asarray(g, np.float64)) * b))
+            for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(param_bounds[t - 1])))
+        out.append(carried + float(rounding_bound(additions, abs(float(loss)), eps)))
+    return np.asarray(out)
 
 
 # -- per-leaf comparison ------------------------------------------------------------------------

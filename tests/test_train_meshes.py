@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
+from helpers import adam_rounding_bounds, assert_within, reference_run, rounding_bound, rounding_chain
 
 D, H, C, E, L = 8, 16, 4, 4, 3  # model width, hidden, outputs, experts, scanned layers
 BATCH, STEPS, LR, WD, MAX_NORM = 16, 4, 2e-2, 0.1, 0.05
@@ -120,6 +121,13 @@ class Case:
     mesh: tuple[tuple[int, ...], tuple[str, ...]]
     config: dict
 
+    @property
+    def additions(self) -> int:
+        """Roundings on the longest chain of one gradient element of the one-device loss, then
+        the devices' and micro-batches' sums."""
+        params, batch = self.params(np.random.default_rng(0)), _batches(0, 1)[0]
+        return rounding_chain(jax.grad(self.reference_loss), params, batch) + 8 + self.config.get("microbatches", 1)
+
 
 CASES = {
     "tensor_parallel": Case(_dense_params, tp_loss, dense_reference_loss, ((4, 2), ("data", "model")),
@@ -144,13 +152,15 @@ def _batches(seed: int, n: int) -> list[dict[str, np.ndarray]]:
 
 
 def _reference(case: Case, params, batches, tx=None):
-    tx = tx or _reference_tx()
-    state = tx.init(params)
-    for batch in batches:
-        grads = jax.grad(case.reference_loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
+    """Plain optax on one device over the whole batches: the final params, each step's loss and
+    gradient."""
+    return reference_run(case.reference_loss, params, tx or _reference_tx(), batches)
+
+
+def trajectory_bounds(case: Case, params, gradients) -> list:
+    """Per step, how far a run of ``_tx()`` may be from the reference by rounding alone."""
+    return adam_rounding_bounds(gradients, additions=case.additions, learning_rate=LR, params=params,
+                                max_norm=MAX_NORM, weight_decay=WD)
 
 
 def _step(case: Case, params, batch, cpu_devices, tx=None) -> jd.TrainStep:
@@ -173,10 +183,9 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
     for batch in batches[:STEPS]:
         state, metrics = step(state, batch)
         losses.append(float(metrics.loss))
-    want = _reference(case, params, batches[:STEPS])
-    got = jax.device_get(state.params)
-    for path, w, g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5, err_msg=jax.tree_util.keystr(path[0]))
+    want, _, gradients = _reference(case, params, batches[:STEPS])
+    assert_within(jax.device_get(state.params), want, trajectory_bounds(case, params, gradients)[-1],
+                  what=f"{kind} after {STEPS} AdamW steps")
     assert losses[-1] < losses[0]
 
     assert_resumes_bit_for_bit(case, params, step, state, batches, cpu_devices, tmp_path)
@@ -207,14 +216,16 @@ def test_global_norm_counts_every_element_once(kind, cpu_devices):
     (batch,) = _batches(3, 1)
     step = _step(case, params, batch, cpu_devices, tx=optax.chain(jd.clip_by_global_norm(1e-3), optax.sgd(1.0)))
     state, _ = step(step.init(params), batch)
-    want = _reference(case, params, [batch], tx=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0)))
+    want, _, _ = _reference(case, params, [batch], tx=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0)))
     moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), jax.device_get(state.params), params)
     expected = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), want, params)
     norm = lambda t: np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(t)))
     assert norm(expected) == pytest.approx(1e-3, rel=1e-3)
     assert norm(moved) == pytest.approx(1e-3, rel=1e-3)
-    for m, e in zip(jax.tree.leaves(moved), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(m, e, rtol=0, atol=2e-6)
+    # One clipped SGD step moves by 1e-3 g / |g|: the gradient's roundings relative to the move,
+    # and the float32 parameter's own rounding when the move is added to it.
+    bound = jax.tree.map(lambda p: rounding_bound(case.additions, 1e-3) + rounding_bound(1, np.abs(p)), params)
+    assert_within(moved, expected, bound, what="clipped SGD move")
 
 
 def test_scan_layers_on_a_tensor_parallel_mesh(cpu_devices):
