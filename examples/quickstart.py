@@ -8,13 +8,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax_drain as jd  # noqa: E402  (before jax: no CUDA-plugin start-up lines without a GPU)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
-
-import jax_drain as jd  # noqa: E402
 
 model = nnx.Sequential(nnx.Linear(64, 256, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(256, 64, rngs=nnx.Rngs(1)))
 graphdef, params = nnx.split(model, nnx.Param)

@@ -12,12 +12,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax_drain as jd  # noqa: E402  (before jax: no CUDA-plugin start-up lines without a GPU)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_drain as jd  # noqa: E402
 
 D, H, STEPS = 32, 128, 20
 

@@ -194,7 +194,9 @@ def build_model(config, vocab_size: int, seed: int):
     return model
 
 
-def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str]) -> None:
+def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str]) -> pathlib.Path | None:
+    """Writes ``out/loss.png`` (with the ``compare`` runs overlaid); returns its path, or None
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -202,7 +204,7 @@ def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str])
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install 'jax_drain[plot]'): skipping loss.png")
-        return
+        return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     curves = [(str(out.name), losses)] + [
         (pathlib.Path(d).name, json.loads((pathlib.Path(d) / "losses.json").read_text())) for d in compare
@@ -223,11 +225,14 @@ def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str])
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
+    return out / "loss.png"
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     args = parse_args(argv)
     setup_devices(args.devices)
+
+    import jax_drain as jd  # before jax: no CUDA-plugin start-up lines without a GPU
 
     import jax
     import jax.numpy as jnp
@@ -236,7 +241,6 @@ def main(argv: list[str] | None = None) -> list[float]:
     from flax import nnx
     from jax.sharding import Mesh
 
-    import jax_drain as jd
     from jax_drain.models import GPTConfig
 
     devices = jax.devices()
@@ -314,12 +318,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     title = (f"char GPT {config.num_layers}x{config.d_model} on {args.devices} devices: reduce={args.reduce}, "
              f"drain={not args.no_drain}, microbatches={args.microbatches}, bucket_size={args.bucket_size}"
              f"{', scan_layers' if args.scan_layers else ''}{', error feedback' if args.error_feedback else ''}")
-    plot(losses, out, title, args.compare)
+    png = plot(losses, out, title, args.compare)
     if losses:
         head = losses[: min(10, len(losses))]
         tail = losses[-min(50, len(losses)) :]
         print(f"loss {sum(head) / len(head):.4f} (first {len(head)} steps) -> {sum(tail) / len(tail):.4f} "
-              f"(last {len(tail)}); {args.steps - start} steps in {wall:.1f}s; wrote {out / 'losses.json'}")
+              f"(last {len(tail)}); {args.steps - start} steps in {wall:.1f}s")
+    print(f"wrote {out / 'losses.json'}" + (f" and {png}" if png else "")
+          + (f"; checkpoints in {ckpt_dir}" if args.checkpoint_every else ""))
 
     if args.sample:
         step_fn.update_model(model, state)

@@ -24,14 +24,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = p.parse_args(argv)
     setup_devices(args.devices)
 
+    import jax_drain as jd  # before jax: no CUDA-plugin start-up lines without a GPU
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import linen as nn
     from jax.sharding import Mesh
-
-    import jax_drain as jd
 
     class MLP(nn.Module):
         width: int = 128
