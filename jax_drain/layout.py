@@ -33,7 +33,7 @@ PyTree = Any
 @dataclasses.dataclass(frozen=True)
 class LeafSlot:
     """Where one leaf lives: ``bucket``'s elements ``[offset, offset + size)``. With split
-    leaves, where the leaf's *first* piece lives: :attr:`Bucket.pieces` has every piece."""
+    leaves, where the leaf's *first* piece lives: ``Bucket.pieces`` has every piece."""
 
     index: int  # position in ``jax.tree.leaves`` order
     path: str
@@ -279,7 +279,7 @@ class BucketLayout:
 
     def bucket(self, k: int, leaves: Sequence[Any], dtype: Any = None) -> jax.Array:
         """Bucket ``k`` (1-D, zero-padded) from the leaves (``jax.tree.leaves`` order; only
-        bucket ``k``'s own leaves, :attr:`Bucket.leaves`, are read)."""
+        bucket ``k``'s own leaves, ``Bucket.leaves``, are read)."""
         bucket = self.buckets[k]
         bucket_dtype = bucket.dtype if dtype is None else dtype
         parts = [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size).astype(bucket_dtype) for p in bucket.pieces]

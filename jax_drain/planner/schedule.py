@@ -39,6 +39,7 @@ __all__ = [
     "shape_dtypes",
 ]
 
+#: The collective opcodes the parser reads, in the order reports list them.
 COLLECTIVE_KINDS = (
     "all-reduce",
     "reduce-scatter",
