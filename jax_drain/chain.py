@@ -41,7 +41,7 @@ from jax_drain.collectives import (
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
 from jax_drain.losses import LocalStep
-from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes
+from jax_drain.mesh import LeafPlacement, mesh_order, require_bound_axes, split_specs
 
 PyTree = Any
 
@@ -75,6 +75,10 @@ class BucketChain:
         bucket_axes: the mesh axes a device's whole (local) bucket differs along, mesh order:
             the data axes its gradient is summed over and ``spec_axes``. An error-feedback
             residual is one whole bucket per device, laid out over them.
+        data_major: the global shard array is split over ``axes`` first, then ``spec_axes``
+            (``tensor_parallel="gspmd"``: the data-parallel region's view of a shard is then one
+            contiguous piece, every model rank's shard of it). ``False``: ``spec_axes`` first,
+            each model rank's whole bucket in turn.
     """
 
     name: str
@@ -90,6 +94,7 @@ class BucketChain:
     num_layers: int | None = None
     wire_dtype: Any = None
     bucket_axes: tuple[str, ...] = ()
+    data_major: bool = False
 
     # -- shapes and specs -------------------------------------------------------------------
     @property
@@ -118,8 +123,9 @@ class BucketChain:
     @property
     def shard_spec(self) -> PartitionSpec:
         """``PartitionSpec`` of a shard outside ``shard_map``: split over the ranks that hold
-        different buckets (``spec_axes``), then over ``axes``, major first."""
-        axes = self.spec_axes + self.axes
+        different buckets (``spec_axes``), then over ``axes``, major first (``axes`` first with
+        :attr:`data_major`)."""
+        axes = self.axes + self.spec_axes if self.data_major else self.spec_axes + self.axes
         entry = axes[0] if len(axes) == 1 else (axes or None)
         return PartitionSpec(entry) if self.num_layers is None else PartitionSpec(None, entry)
 
@@ -167,12 +173,15 @@ class BucketChain:
             return [s.path, list(s.shape), str(s.dtype), piece.offset, spec, list(pl.global_shape),
                     piece.start, piece.size]
 
-        return {
+        out = {
             "name": self.name, "axes": list(self.axes), "axis_size": self.axis_size,
             "spec_axes": list(self.spec_axes), "spec_sizes": [int(mesh.shape[a]) for a in self.spec_axes],
             "num_layers": self.num_layers,
             "buckets": [[str(b.dtype), b.padded_size, [slot(p) for p in b.pieces]] for b in layout.buckets],
         }
+        if self.data_major:  # only then: the manual layouts' fingerprints stay what they were
+            out["data_major"] = True
+        return out
 
     # -- buckets ----------------------------------------------------------------------------
     def flatten(self, leaves: Sequence[Any], dtype: Any = None) -> tuple[jax.Array, ...]:
@@ -316,6 +325,7 @@ def build_chain(
     num_layers: int | None = None,
     split_leaves: bool = False,
     wire_dtype: Any = None,
+    data_major: bool = False,
 ) -> BucketChain:
     """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
     layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
@@ -344,7 +354,7 @@ def build_chain(
     if wire is not None and not jnp.issubdtype(wire, jnp.floating):
         raise ValueError(f"wire_dtype must be a floating dtype (e.g. jnp.bfloat16) or None, got {wire}")
     return BucketChain(name, scope, layout, leaves, axes, tuple(outer_axes), axis_size, spec_axes, replicas,
-                       spec_size, num_layers, wire, bucket_axes)
+                       spec_size, num_layers, wire, bucket_axes, data_major and bool(spec_axes))
 
 
 def _with_residuals(reduce_one: Callable, items: list, residuals: Sequence[Any] | None,
@@ -383,6 +393,10 @@ class ChainedSync:
     average: bool
     max_in_flight: int | None
     _treedef: Any
+    #: ``"manual"`` (every mesh axis manual in the step's ``shard_map``; the loss runs on local
+    #: blocks) or ``"gspmd"`` (only the data axes manual; the loss runs on global shapes along the
+    #: others, and the chains in a nested region manual over them): see :mod:`jax_drain.mesh`.
+    tensor_parallel: str = "manual"
 
     # -- output type <-> flat tuple (per sync kind) -------------------------------------------
     def flat_shards(self, shards: Any) -> tuple[jax.Array, ...]:  # pragma: no cover - abstract
@@ -441,6 +455,58 @@ class ChainedSync:
         """A batch split over all data-parallel devices: ``P((*outer_axes, *axes))``."""
         axes = self.outer_axes + self.axes
         return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+    # -- the step's regions ----------------------------------------------------------------
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The mesh axes the step's ``shard_map`` makes manual (mesh order): every axis with
+        ``tensor_parallel="manual"``, the data axes with ``"gspmd"``."""
+        if self.tensor_parallel == "gspmd":
+            return self.data_axes
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def auto_axes(self) -> tuple[str, ...]:
+        """The mesh axes left to XLA in the step's ``shard_map`` (``"gspmd"``): the loss runs on
+        global shapes along them. Empty with ``tensor_parallel="manual"``."""
+        manual = set(self.manual_axes)
+        return tuple(a for a in self.mesh.axis_names if a not in manual)
+
+    def shard_map(self, f: Callable, *, in_specs: Any, out_specs: Any) -> Callable:
+        """``jax.shard_map`` of ``f`` over the sync's mesh, for the step that calls
+        :meth:`value_and_grad`: manual over :attr:`manual_axes`. The specs are the global arrays'
+        own (``sync.param_specs``, ``sync.shard_specs()``, ``opt.state_specs()``...); with
+        ``"gspmd"`` they are cut to the data axes (:func:`jax_drain.mesh.split_spec`) and ``f``
+        sees every array whole along the other axes (sharded there by XLA).
+
+        Example::
+
+            step = jax.jit(sync.shard_map(grad_step, in_specs=(sync.param_specs, sync.batch_spec),
+                                          out_specs=(P(), sync.shard_specs())))
+        """
+        if not self.auto_axes:
+            return _compat.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        outer_in, _ = split_specs(in_specs, self.manual_axes)
+        outer_out, _ = split_specs(out_specs, self.manual_axes)
+        return _compat.shard_map(f, mesh=self.mesh, in_specs=outer_in, out_specs=outer_out,
+                                 axis_names=frozenset(self.manual_axes))
+
+    def manual_region(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        """``f`` in a nested ``shard_map`` that makes :attr:`auto_axes` manual too: from inside
+        the ``"gspmd"`` step's data-parallel region, where arrays are whole along those axes, to
+        their local blocks, where the chains run as they do with ``"manual"``. The specs are the
+        global arrays' own (cut to the other axes here). Call inside :meth:`shard_map`'s ``f``."""
+        _, inner_in = split_specs(in_specs, self.manual_axes)
+        _, inner_out = split_specs(out_specs, self.manual_axes)
+        return _compat.shard_map(f, in_specs=inner_in, out_specs=inner_out, axis_names=frozenset(self.auto_axes))
+
+    def in_data_region(self) -> bool:
+        """Whether this runs in the ``"gspmd"`` step's data-parallel region: the data axes bound
+        (manual), the others not (automatic); then :meth:`manual_region` leads to local blocks."""
+        if not self.auto_axes:
+            return False
+        bound = _compat.bound_axis_sizes()
+        return all(a in bound for a in self.data_axes) and not any(a in bound for a in self.auto_axes)
 
     def per_chain(self, flat: Sequence[Any]) -> list[tuple[Any, ...]]:
         """A flat sequence (one entry per bucket, flat order) cut into one tuple per chain."""
@@ -539,14 +605,26 @@ class ChainedSync:
                 f"with the batch split over {self.batch_spec}."
             )
 
-    def require_inside_shard_map(self, method: str) -> None:
-        """Raises unless called inside ``shard_map`` over every axis the sync uses."""
+    def require_inside_shard_map(self, method: str, *, data_region: bool = False) -> None:
+        """Raises unless called inside ``shard_map`` over every axis the sync uses; with
+        ``data_region`` (``"gspmd"``), inside the step's data-parallel region instead: the data
+        axes manual, the others automatic (:meth:`shard_map`)."""
+        owner = method if "." in method else f"{type(self).__name__}.{method}"
+        hint = (" (with tensor_parallel='gspmd', build the step with sync.shard_map, which makes only the data "
+                "axes manual)") if self.auto_axes else ""
+        # The data axes first: outside shard_map, the error names them rather than every axis.
+        require_bound_axes(owner, self.mesh, self.axes, hint)
+        if data_region:
+            require_bound_axes(owner, self.mesh, self.data_axes, hint)
+            bound = [a for a in self.auto_axes if a in _compat.bound_axis_sizes()]
+            if bound:
+                raise ValueError(
+                    f"{owner} runs the loss on global shapes along {bound} (tensor_parallel='gspmd'), but it is "
+                    f"called where {bound} are manual: build the step with sync.shard_map, which leaves them to XLA")
+            return
         spec_axes = tuple(a for pl in self.placements for a in pl.spec_axes)
         needed = mesh_order(self.mesh, self.axes + self.outer_axes + spec_axes)
-        owner = method if "." in method else f"{type(self).__name__}.{method}"
-        # The data axes first: outside shard_map, the error names them rather than every axis.
-        require_bound_axes(owner, self.mesh, self.axes)
-        require_bound_axes(owner, self.mesh, needed)
+        require_bound_axes(owner, self.mesh, needed, hint)
 
     def finish(self, total: jax.Array, count: jax.Array | None, shards: Any) -> tuple[jax.Array, Any]:
         """The reported loss and the final shards from this device's loss ``total`` (and, for a
@@ -672,7 +750,7 @@ def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarr
     for c, chain in enumerate(description):
         rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
         for _, padded, pieces in chain["buckets"]:
-            whole = np.asarray(buckets[i])
+            whole = _spec_major(chain, np.asarray(buckets[i]))
             i += 1
             for r in range(len(ranks[c])):
                 for path, shape, _, offset, spec, global_shape, start, size in pieces:
@@ -710,8 +788,21 @@ def host_from_params(
                         raise KeyError(f"no array for parameter {path!r}")
                     block = params[path][_block(spec, [*rows, *shape], coords, sizes)].reshape(*rows, -1)
                     whole[..., r * padded + offset:r * padded + offset + size] = block[..., start:start + size]
-            out.append(whole)
+            out.append(_spec_major(chain, whole, inverse=True))
     return out
+
+
+def _spec_major(chain: dict[str, Any], whole: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """A described chain's global shard array with every spec rank's whole bucket in turn (its
+    form in the description), from a ``data_major`` chain's ``[data rank, spec rank, shard]``
+    order; ``inverse``: back to it. Unchanged for other chains."""
+    if not chain.get("data_major"):
+        return whole
+    spec_ranks, data_ranks = math.prod(chain["spec_sizes"]), chain["axis_size"]
+    *rows, size = whole.shape
+    first, second = (data_ranks, spec_ranks) if not inverse else (spec_ranks, data_ranks)
+    blocks = whole.reshape(*rows, first, second, size // (spec_ranks * data_ranks))
+    return np.swapaxes(blocks, -3, -2).reshape(*rows, size)
 
 
 def check_microbatches(k: Any) -> int:

@@ -14,6 +14,15 @@ carry different data, and kept apart along the axes its parameter is *sharded* a
   axes, a subset of ``axis``); every other dense data axis must shard them (expert parallel),
   otherwise their gradients would miss the tokens of the ranks along it.
 
+Tensor parallelism comes in two modes (``TENSOR_PARALLEL_MODES``):
+
+* ``"manual"``: the step's ``shard_map`` makes every mesh axis manual; the loss runs on local
+  blocks and does its own ``psum`` over the model axis (Megatron style).
+* ``"gspmd"``: the step's ``shard_map`` makes only the data-parallel axes manual
+  (:func:`split_spec`); the loss runs on global shapes along the other axes and XLA inserts the
+  tensor-parallel collectives (MaxText, EasyLM, Flax's partitioned examples). The bucket chains
+  still run on local blocks, in a nested ``shard_map`` manual over the other axes.
+
 This module validates those declarations against the mesh and computes per-leaf placements;
 errors name the leaf and say what to change.
 
@@ -35,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
 from jax_drain.layout import leaf_paths
@@ -109,6 +118,85 @@ def check_mesh(mesh: Any) -> None:
         f"reduced over. Build one with jax.make_mesh({shape}, {names}) or "
         f"jax.sharding.Mesh({devices}, {names})"
     )
+
+
+#: ``"manual"``: every mesh axis manual, the loss on local blocks with its own model-axis
+#: collectives; ``"gspmd"``: only the data axes manual, the loss on global shapes, XLA's
+#: tensor-parallel collectives.
+TENSOR_PARALLEL_MODES = ("manual", "gspmd")
+
+
+def check_tensor_parallel(mode: Any) -> str:
+    """Returns ``mode`` if it is one of ``TENSOR_PARALLEL_MODES``, else raises ``ValueError``."""
+    if mode not in TENSOR_PARALLEL_MODES:
+        raise ValueError(
+            f"tensor_parallel must be 'manual' (the loss runs on local blocks and psums over the model "
+            f"axis itself) or 'gspmd' (the loss is written for global shapes; XLA partitions it), got {mode!r}"
+        )
+    return mode
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type ``Auto`` (the same devices and names).
+
+    A ``"gspmd"`` loss is written for GSPMD's automatic partitioning: on an ``Explicit`` axis
+    (``jax.make_mesh``'s default since jax 0.7) the partial-manual region sees sharding-in-types
+    instead, refuses ``with_sharding_constraint`` and all-gathers model-sharded weights.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _entry_axes(entry: Any) -> Axes:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def _as_entry(axes: Sequence[str]) -> Any:
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def split_spec(spec: PartitionSpec | None, manual_axes: Sequence[str], what: str = "array") -> tuple[PartitionSpec, PartitionSpec]:
+    """A global array's ``PartitionSpec`` as the two ``shard_map`` specs of a ``"gspmd"`` step:
+    ``(outer, inner)``, ``outer`` over ``manual_axes`` only (the data-parallel region, the other
+    axes automatic), ``inner`` over the other axes (the nested region that makes them manual too).
+
+    Within each dimension the manual axes must come first (major): the outer region splits a
+    dimension into contiguous pieces, which the inner one splits again.
+
+    Example::
+
+        >>> split_spec(PartitionSpec(("data", "model")), ("data",))
+        (PartitionSpec('data',), PartitionSpec('model',))
+        >>> split_spec(PartitionSpec(None, "model"), ("data",))
+        (PartitionSpec(None, None), PartitionSpec(None, 'model'))
+    """
+    spec = PartitionSpec() if spec is None else spec
+    manual = set(manual_axes)
+    outer, inner = [], []
+    for entry in spec:
+        axes = _entry_axes(entry)
+        mine = [a for a in axes if a in manual]
+        if list(axes[:len(mine)]) != mine:
+            raise ValueError(
+                f"{what}: PartitionSpec {spec} splits a dimension over {axes}, a data-parallel axis "
+                f"({', '.join(mine)}) after another one; in tensor_parallel='gspmd' the data axes must "
+                "come first (major) within a dimension"
+            )
+        outer.append(_as_entry(mine))
+        inner.append(_as_entry([a for a in axes if a not in manual]))
+    return PartitionSpec(*outer), PartitionSpec(*inner)
+
+
+def split_specs(specs: PyTree, manual_axes: Sequence[str]) -> tuple[PyTree, PyTree]:
+    """:func:`split_spec` over a tree of ``PartitionSpec`` s (``None`` leaves stay ``None``:
+    replicated, or a subtree of ``None`` s)."""
+    is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+    pairs = jax.tree.map(lambda s: None if s is None else split_spec(s, manual_axes), specs, is_leaf=is_leaf)
+    pick = lambda i: jax.tree.map(lambda pair: None if pair is None else pair[i], pairs,
+                                  is_leaf=lambda x: x is None or isinstance(x, tuple) and len(x) == 2
+                                  and all(isinstance(p, PartitionSpec) for p in x))
+    return pick(0), pick(1)
 
 
 def check_array_leaves(params: PyTree, what: str = "params") -> None:

@@ -520,7 +520,19 @@ class DistributedOptimizer:
         Returns ``(params, state, report)``, ``report`` an :class:`UpdateReport`. With
         ``gather=False`` (ZeRO-3) ``params`` are this device's parameter shards in each bucket's
         dtype (:meth:`~jax_drain.chain.ChainedSync.cast_shards`) instead of the gathered tree.
+
+        With ``tensor_parallel="gspmd"`` it may be called in the step's data-parallel region
+        (:meth:`ChainedSync.shard_map <jax_drain.GradSync.shard_map>`): the update runs in the
+        sync's :meth:`~jax_drain.GradSync.manual_region` on this device's shards, and the
+        parameters come back whole along the model axes (sharded there by XLA).
         """
+        if self.sync.in_data_region():
+            sync = self.sync
+            specs, shards = self.state_specs(), sync.shard_specs()
+            run = lambda g, s: self.update_and_report(g, s, skip_nonfinite=skip_nonfinite,
+                                                      skip_grad_norm_above=skip_grad_norm_above, gather=gather)
+            out_specs = (sync.param_specs if gather else shards, specs, UpdateReport(P(), P(), P()))
+            return sync.manual_region(run, (shards, specs), out_specs)(grads, state)
         self.sync.require_inside_shard_map("DistributedOptimizer.update")
         self._check_local_state(state)
         grads = self._check_grads(self.sync.flat_shards(grads))

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
+from jax_drain.mesh import auto_mesh, split_specs
 
 Position = tuple[int, ...]
 
@@ -38,6 +39,7 @@ def grad_ready_order(
     has_aux: bool = False,
     mesh: Mesh | None = None,
     in_specs: Any = None,
+    axis_names: Any = None,
 ) -> tuple[int, ...]:
     """Leaf indices of ``params`` (``jax.tree.leaves`` order) in the order backward finishes them.
 
@@ -49,6 +51,9 @@ def grad_ready_order(
         mesh, in_specs: trace ``loss_fn`` inside ``jax.shard_map(mesh=mesh, in_specs=in_specs)``
             (``in_specs`` for ``(params, *example_args)``), for a loss that runs on local blocks
             and uses collectives (tensor parallel: a ``psum`` over the model axis).
+        axis_names: with ``mesh``, the axes the ``shard_map`` makes manual (``None``: all): a
+            ``tensor_parallel="gspmd"`` loss runs on global shapes along the others.
+            ``in_specs`` are the global arrays' own then (cut to these axes here).
 
     Returns:
         A permutation of ``range(len(jax.tree.leaves(params)))`` to pass as ``GradSync(order=...)``.
@@ -59,17 +64,20 @@ def grad_ready_order(
         closed = jax.make_jaxpr(grad)(params, *example_args)
         jaxpr, grad_vars = closed.jaxpr, closed.jaxpr.outvars[:num_leaves]
     else:
-        jaxpr, grad_vars = _traced_in_shard_map(grad, mesh, in_specs, params, example_args, num_leaves, has_aux)
+        jaxpr, grad_vars = _traced_in_shard_map(grad, mesh, in_specs, params, example_args, num_leaves, has_aux,
+                                                axis_names)
     positions = _output_positions(jaxpr)
     ranked = sorted(range(num_leaves), key=lambda i: (positions.get(_var_key(grad_vars[i]), (-1,)), -i))
     return tuple(ranked)
 
 
 def _traced_in_shard_map(
-    grad: Callable, mesh: Mesh, in_specs: Any, params: Any, args: tuple, num_leaves: int, has_aux: bool
+    grad: Callable, mesh: Mesh, in_specs: Any, params: Any, args: tuple, num_leaves: int, has_aux: bool,
+    axis_names: Any = None,
 ):
     """The body jaxpr of ``grad`` under ``shard_map`` and its gradient variables."""
-    axes = tuple(mesh.axis_names)
+    axes = tuple(mesh.axis_names) if axis_names is None else tuple(a for a in mesh.axis_names if a in set(axis_names))
+    full_specs = in_specs
 
     def body(p, *a):
         # Every leaf varies along every axis: no psum is inserted and any out_spec is valid.
@@ -78,12 +86,17 @@ def _traced_in_shard_map(
         # shard_map outputs need a dimension to split over the mesh.
         return [x.reshape((1, *x.shape)) for x in jax.tree.leaves(g)[:num_leaves]]
 
-    mapped = _compat.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(axes))
+    if axis_names is None:
+        mapped = _compat.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(axes))
+    else:
+        mesh = auto_mesh(mesh)
+        outer, _ = split_specs(tuple(in_specs), axes)
+        mapped = _compat.shard_map(body, mesh=mesh, in_specs=outer, out_specs=P(axes), axis_names=frozenset(axes))
     # Inputs placed as in_specs says (a mesh with explicit axes checks it).
     placed = jax.tree.map(
         lambda spec, tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree),
-        tuple(in_specs), (params, *args), is_leaf=lambda x: isinstance(x, P) or x is None,
+        tuple(full_specs), (params, *args), is_leaf=lambda x: isinstance(x, P) or x is None,
     )
     closed = jax.make_jaxpr(mapped)(*placed)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]

@@ -30,6 +30,17 @@ Example (2 hosts x 4 GPUs x tensor parallel 2: HSDP over ``replica``, TP over ``
     def step(params, batch):            # params: local blocks (w_in: [d, h / 2])
         return sync.value_and_grad(loss_fn)(params, batch)
 
+Example (tensor parallel by XLA: a loss written for global shapes, no collectives in it)::
+
+    specs = {"w_in": P(None, "model"), "w_out": P("model", None), "norm": None}
+    sync = jd.GradSync(params, mesh, axis="data", param_specs=specs, tensor_parallel="gspmd")
+
+    @jax.jit
+    @functools.partial(sync.shard_map, in_specs=(sync.param_specs, sync.batch_spec),
+                       out_specs=(P(), sync.shard_specs()))
+    def step(params, batch):            # params: whole (w_in: [d, h]), sharded over "model" by XLA
+        return sync.value_and_grad(loss_fn)(params, batch)
+
 Example (MoE on ``("data", "expert")``: experts sharded over ``expert``)::
 
     sync = jd.GradSync(params, mesh, axis=("data", "expert"), param_specs=specs,
@@ -55,7 +66,9 @@ from jax_drain.drain import drain_depth
 from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
-from jax_drain.mesh import AxisSpec, ExpertSpec, LeafPlacement, as_axes, axes_size, check_mesh, place_leaves
+from jax_drain.mesh import (
+    AxisSpec, ExpertSpec, LeafPlacement, as_axes, auto_mesh, axes_size, check_mesh, check_tensor_parallel, place_leaves,
+)
 
 PyTree = Any
 
@@ -126,6 +139,18 @@ class GradSync(ChainedSync):
             reduce-scatter of ``bf16``); the sum is still float32 where the mode says so.
             ``None`` (default): the gradients' own dtype. ``jnp.bfloat16`` gives a float32 model
             bf16 wire cost with float32 accumulation, like FSDP2's ``reduce_dtype``.
+        tensor_parallel: how the loss sees the axes of ``param_specs``. ``"manual"`` (default):
+            the step's ``shard_map`` makes every mesh axis manual, the loss runs on local blocks
+            and does its own ``psum`` over the model axis. ``"gspmd"``: the step's ``shard_map``
+            (build it with :meth:`shard_map`) makes only the data axes (``axis``,
+            ``outer_axis``) manual, so a loss written for global shapes (GSPMD style: MaxText,
+            EasyLM, Flax's partitioned examples) runs unchanged and XLA inserts the
+            tensor-parallel collectives; the buckets are still laid out over every device's
+            local blocks and reduced in a nested ``shard_map`` manual over the other axes
+            (:meth:`manual_region`), so no model-sharded gradient is gathered. The mesh's axes
+            are used as ``Auto`` (:attr:`mesh`; GSPMD partitioning), the shards are laid out data
+            axes first (:attr:`BucketChain.data_major <jax_drain.BucketChain>`). Not with expert
+            params yet.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
@@ -151,8 +176,16 @@ class GradSync(ChainedSync):
         expert_axis: AxisSpec = None,
         split_leaves: bool = False,
         wire_dtype: Any = None,
+        tensor_parallel: str = "manual",
     ):
         check_mesh(mesh)
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
+        gspmd = self.tensor_parallel == "gspmd"
+        if gspmd:
+            if expert is not None:
+                raise ValueError("tensor_parallel='gspmd' does not support expert params yet: use "
+                                 "tensor_parallel='manual' (a loss on local blocks with its own collectives)")
+            mesh = auto_mesh(mesh)
         axes = as_axes(axis, "axis")
         if len(axes) == 1 and axes[0] not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {axes[0]!r}; its axes are {tuple(mesh.axis_names)}")
@@ -182,7 +215,7 @@ class GradSync(ChainedSync):
         self.split_leaves = bool(split_leaves)
         chain = lambda name, scope, leaves, axes: build_chain(
             name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
-            split_leaves=self.split_leaves, wire_dtype=wire_dtype)
+            split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd)
         chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
         if expert_idx:
             chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))
@@ -299,6 +332,8 @@ class GradSync(ChainedSync):
             extra += f", outer_axis={self.outer_axis!r}"
         if self._expert is not None:
             extra += f", expert_axis={self.expert_axis!r}, num_expert_buckets={self.num_expert_buckets}"
+        if self.tensor_parallel != "manual":
+            extra += f", tensor_parallel={self.tensor_parallel!r}"
         return (
             f"GradSync(axis={self.axis!r}, axis_size={self.axis_size}, reduce={self.reduce!r}, "
             f"drain={self.drain}, max_in_flight={self.max_in_flight}, num_buckets={self.num_buckets}{extra})"
@@ -317,7 +352,16 @@ class GradSync(ChainedSync):
         ``residuals``: error feedback (:mod:`jax_drain.feedback`): this device's residual of every
         bucket (the sync's output type, whole local buckets); each bucket is sent with its
         residual added, and ``(shards, new_residuals)`` is returned.
+
+        With ``tensor_parallel="gspmd"`` it may also be called in the step's data-parallel region
+        (:meth:`shard_map`) on gradients whole along the model axes: they enter
+        :meth:`manual_region` as their local blocks (no error feedback there yet).
         """
+        if self.in_data_region():
+            if residuals is not None:
+                raise ValueError("error feedback is not supported with tensor_parallel='gspmd' yet")
+            self.check_tree(grads, what="grads")
+            return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, what="grads", local=True)
         self.check_varying(leaves)
@@ -371,7 +415,7 @@ class GradSync(ChainedSync):
             check_error_feedback(self)
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
-            self.require_inside_shard_map("value_and_grad")
+            self.require_inside_shard_map("value_and_grad", data_region=bool(self.auto_axes))
             residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
             local = self.local_params(params)
             state, args = (args[0], args[1:]) if has_state else (None, args)
@@ -403,8 +447,10 @@ class GradSync(ChainedSync):
         args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
         leaves = jax.tree.leaves(local)
         # The carry has the loop outputs' type: a local gradient varies along the axes it is
-        # reduced over and the axes its parameter is sharded along; the loss along the data axes.
-        axes = [pl.reduce_axes + self.outer_axes + pl.spec_axes for pl in self.placements]
+        # reduced over and the (manual) axes its parameter is sharded along; the loss along the data axes.
+        manual = set(self.manual_axes)
+        axes = [tuple(a for a in pl.reduce_axes + self.outer_axes + pl.spec_axes if a in manual)
+                for pl in self.placements]
         zeros = [_compat.mark_varying(jnp.zeros(p.shape, accum_dtype or p.dtype), a) for p, a in zip(leaves, axes)]
         scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), self.data_axes)
         weighted: list[bool] = []  # filled while the loop body is traced

@@ -41,6 +41,17 @@ over the model axis::
     step = jd.make_train_step(params, loss_fn, jd.adamw(1e-3, mask=decay_mask), mesh,
                               jd.TrainConfig(axis="data", outer_axis="replica", param_specs=specs))
 
+A loss written for global shapes (GSPMD style: no collectives in the model, shardings declared on
+the parameters) trains tensor parallel with ``TrainConfig(tensor_parallel="gspmd")``: the step's
+``shard_map`` makes only the data axes manual and XLA partitions the model over the others. The
+shardings are read from where they are declared when ``param_specs`` is not given (the
+parameters' ``NamedSharding``, nnx ``Param`` metadata, linen logical partitioning with
+``logical_axis_rules``; :mod:`jax_drain.shardings`), and then ``"gspmd"`` is the default::
+
+    with jax.set_mesh(mesh):                   # nnx.with_partitioning(init, (None, "model")) in the model
+        model = Transformer(config, rngs=nnx.Rngs(0))
+    step = jd.make_train_step(model, loss_fn, tx, mesh, jd.TrainConfig(axis="data"))  # gspmd, specs read
+
 Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block parameters): pass
 ``TrainConfig(scan_layers=True)`` and an ``example_batch``; a :class:`~jax_drain.ScanGradSync`
 reduce-scatters each layer's gradient inside the backward scan.
@@ -91,11 +102,13 @@ from jax_drain.feedback import (
 from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import WeightedLoss, split_output
 from jax_drain.mesh import (
-    AxisSpec, ExpertSpec, as_axes, axes_size, check_array_leaves, check_mesh, check_mesh_axes, leaf_specs,
+    AxisSpec, ExpertSpec, as_axes, auto_mesh, axes_size, check_array_leaves, check_mesh, check_mesh_axes,
+    check_tensor_parallel, leaf_specs,
 )
 from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, stacked_leaves
+from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed
 from jax_drain.sync import GradSync
 
 PyTree = Any
@@ -111,7 +124,20 @@ class TrainConfig:
             reduce-scattered over, the outer (HSDP) axes shards are then all-reduced over, the
             tensor/expert-parallel ``PartitionSpec`` of each parameter, and which parameters are
             experts with the axes their gradients are reduced over. The batch is split over
-            ``outer_axis`` and ``axis``.
+            ``outer_axis`` and ``axis``. Without ``param_specs`` the specs are read from where
+            the model declares them (:func:`jax_drain.shardings.declared_specs`: the
+            parameters' ``NamedSharding``, nnx ``Param`` sharding metadata, linen
+            ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` boxes).
+        tensor_parallel: ``"manual"``: the loss runs on local blocks and does its own ``psum``
+            over the model axes (every mesh axis manual); ``"gspmd"``: the loss is written for
+            global shapes and XLA partitions it over the non-data axes (only the data axes
+            manual; see :class:`~jax_drain.GradSync`). ``None`` (default): ``"manual"`` when
+            ``param_specs`` is given (the hand-written tensor-parallel loss it is for),
+            ``"gspmd"`` when the specs are read from the model and shard something (code that
+            declares shardings on its parameters is written for GSPMD), else ``"manual"``.
+        logical_axis_rules: ``((logical name, mesh axis or axes or None), ...)``, mapping the
+            logical axis names of ``nn.with_logical_partitioning`` (or of nnx metadata) to mesh
+            axes, as for :func:`flax.linen.logical_to_mesh_axes`.
         bucket_size, reduce, drain, max_in_flight, split_leaves, wire_dtype: passed to the sync.
         param_dtype: a precision policy independent of the model's dtype (FSDP2's
             ``MixedPrecisionPolicy(param_dtype=...)``): the working parameters the loss runs on
@@ -184,6 +210,8 @@ class TrainConfig:
     error_feedback: bool = False
     shard_params: bool = False
     reshard_after_forward: bool = True
+    tensor_parallel: str | None = None
+    logical_axis_rules: Any = None
 
     def __post_init__(self) -> None:
         if self.scan_layers not in (True, False, None):
@@ -217,6 +245,28 @@ class TrainConfig:
                                  "param_specs and expert params are not supported with it yet: use shard_params=False")
             if self.error_feedback:
                 raise ValueError("shard_params=True does not support error_feedback yet: use one of them")
+        if self.tensor_parallel is not None:
+            check_tensor_parallel(self.tensor_parallel)
+        if self.tensor_parallel == "gspmd":
+            self.check_gspmd()
+        if self.logical_axis_rules is not None:
+            rules = self.logical_axis_rules
+            ok = isinstance(rules, (tuple, list)) and all(
+                isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules)
+            if not ok:
+                raise ValueError(f"logical_axis_rules must be ((logical name, mesh axis or None), ...), got {rules!r}")
+            object.__setattr__(self, "logical_axis_rules", tuple((r[0], _axis_entry(r[1])) for r in rules))
+
+    def check_gspmd(self) -> None:
+        """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
+        unsupported = [name for name, on in (("shard_params", self.shard_params), ("error_feedback", self.error_feedback),
+                                             ("expert", self.expert is not None), ("scan_layers", self.scan_layers is True))
+                       if on]
+        if unsupported:
+            raise ValueError(
+                f"tensor_parallel='gspmd' does not support {', '.join(unsupported)} yet: use tensor_parallel='manual' "
+                "(a loss on local blocks with its own model-axis collectives), or turn them off"
+            )
 
     def check_scannable(self) -> None:
         """Raises unless a scanned stack can sync on this mesh: ScanGradSync reduces over one
@@ -232,6 +282,10 @@ class TrainConfig:
     def data_axes(self) -> tuple[str, ...]:
         """The axes the batch is split over: ``outer_axis`` then ``axis``."""
         return as_axes(self.outer_axis, "outer_axis", allow_empty=True) + as_axes(self.axis, "axis")
+
+
+def _axis_entry(entry: Any) -> Any:
+    return tuple(entry) if isinstance(entry, list) else entry
 
 
 class TrainState(NamedTuple):
@@ -294,9 +348,21 @@ class TrainStep:
         model: nnx.Module | None,
         *,
         linen: bool = False,
+        declared: PyTree | None = None,
     ):
         check_mesh(mesh)
         check_array_leaves(params)
+        # The specs: param_specs if given, else those the model declares; the mode from them.
+        specs = config.param_specs if config.param_specs is not None else declared
+        mode = config.tensor_parallel
+        if mode is None:
+            mode = "gspmd" if config.param_specs is None and shards_any(declared) else "manual"
+        #: ``"manual"`` or ``"gspmd"`` (:attr:`TrainConfig.tensor_parallel`, resolved).
+        self.tensor_parallel = mode
+        if mode == "gspmd":
+            config.check_gspmd()
+            mesh = auto_mesh(mesh)  # GSPMD partitions the loss over the Auto axes
+        self._specs = specs
         self.mesh, self.config, self.tx = mesh, config, tx
         # loss(params, model_state, batch, device) -> (loss output, new model_state); `device`
         # (this device's index along the data axes, or None outside shard_map) keys the RNGs.
@@ -311,7 +377,7 @@ class TrainStep:
         self.data_size = axes_size(mesh, config.data_axes)
         self._batch_spec = P(config.data_axes[0] if len(config.data_axes) == 1 else config.data_axes)
         self._param_specs = jax.tree.unflatten(
-            jax.tree.structure(self._abstract_params), leaf_specs(self._abstract_params, config.param_specs)
+            jax.tree.structure(self._abstract_params), leaf_specs(self._abstract_params, specs)
         )
         self.sync: ChainedSync | None = None
         self.optimizer: DistributedOptimizer | None = None
@@ -492,19 +558,21 @@ class TrainStep:
         k = config.microbatches
         global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
                                     batch)
+        gspmd = self.tensor_parallel == "gspmd"
         order = grad_ready_order(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
-                                 mesh=mesh, in_specs=(self._param_specs, self._batch_spec))
+                                 mesh=mesh, in_specs=(self._param_specs, self._batch_spec),
+                                 axis_names=config.data_axes if gspmd else None)
         options = dict(
             axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
             split_leaves=config.split_leaves, wire_dtype=config.wire_dtype,
         )
-        stacked = self._find_stacked(global_micro)
+        stacked = None if gspmd else self._find_stacked(global_micro)
         if stacked is not None:
             sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked, **options)
         else:
-            sync = GradSync(self._abstract_params, mesh, param_specs=config.param_specs, expert=config.expert,
-                            expert_axis=config.expert_axis, **options)
+            sync = GradSync(self._abstract_params, mesh, param_specs=self._specs, expert=config.expert,
+                            expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel, **options)
         if config.error_feedback:
             check_error_feedback(sync)
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight)
@@ -515,15 +583,21 @@ class TrainStep:
             param_specs = zero3.ParamShards(sync.shard_specs(), optimizer.layout)
         else:
             param_specs = sync.param_specs
-        sharded = _compat.shard_map(
-            self._sharded_step, mesh=mesh,
+        # Every mesh axis manual, or (gspmd) the data axes only: the loss on global shapes.
+        sharded = sync.shard_map(
+            self._sharded_step,
             in_specs=(param_specs, specs, P(), feedback, sync.batch_spec),
             out_specs=(param_specs, specs, P(), feedback, P()),
         )
+        shardings = lambda spec_tree: jax.tree.map(lambda spec: NamedSharding(mesh, spec), spec_tree,
+                                                   is_leaf=lambda x: isinstance(x, P))
 
         def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
             params, opt_state, model_state, feedback, metrics = sharded(
                 state.params, state.opt_state, state.model_state, state.error_feedback, batch)
+            if gspmd:  # the data-parallel region's outputs are sharded over the model axes by XLA: say how
+                params = jax.lax.with_sharding_constraint(params, shardings(param_specs))
+                opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(specs))
             count = state.step + jnp.where(metrics.skipped, 0, 1).astype(jnp.int32)
             return TrainState(params, opt_state, count, model_state, feedback), metrics
 
@@ -540,6 +614,11 @@ class TrainStep:
                 self.config.check_scannable()
             except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly
                 return None
+            if shards_any(self._specs):  # declared shardings: as param_specs would be
+                return None
+        elif shards_any(self._specs):
+            raise ValueError("scan_layers=True syncs with ScanGradSync, which supports no tensor-parallel "
+                             "shardings yet (declared on the model here): use scan_layers=None or False")
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
         mask = stacked_leaves(self._with_data_axes(self._scalar_loss(in_shard_map=False)), self._abstract_params,
@@ -753,21 +832,30 @@ def make_train_step(
         step = jd.make_train_step(variables, loss_fn, optax.adam(1e-3), mesh, mutable=["batch_stats"])
     """
     config = config or TrainConfig()
-    call = _AxisContext(mesh, config.data_axes).call
+    check_mesh(mesh)
     collections = _check_mutable(model, mutable)
+    # Shardings declared on the model (read when param_specs is not given), before anything is traced.
+    declare = lambda source: None if config.param_specs is not None else declared_specs(
+        source, mesh, config.logical_axis_rules, data_axes=config.data_axes)
+    gspmd = config.tensor_parallel == "gspmd"
     if collections:
-        params = unfreeze(model["params"])
-        others = {name: unfreeze(value) for name, value in model.items() if name != "params"}
+        boxed = unfreeze(model["params"])
+        declared, params = declare(boxed), unboxed(boxed)
+        others = {name: unboxed(unfreeze(value)) for name, value in model.items() if name != "params"}
+        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
 
         def linen_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
             del device
             out = call(loss_fn, {"params": p, **state}, batch)
             return _linen_output(out, state, collections)
 
-        return TrainStep(params, linen_loss, others, tx, mesh, config, example_batch, None, linen=True)
+        return TrainStep(params, linen_loss, others, tx, mesh, config, example_batch, None, linen=True,
+                         declared=declared)
 
     if isinstance(model, nnx.Module):
         graphdef, param_state, key_state, _ = nnx.split(model, nnx.Param, nnx.RngKey, ...)
+        declared = declare(param_state)
+        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
         params = nnx.to_pure_dict(param_state)
         impls = [jax.random.key_impl(k) for k in jax.tree.leaves(key_state)]
 
@@ -781,13 +869,26 @@ def make_train_step(
             *_, new_other = nnx.split(merged, nnx.Param, nnx.RngKey, ...)
             return out, (key_data, nnx.to_pure_dict(new_other))
 
-        return TrainStep(params, loss, _model_state(model), tx, mesh, config, example_batch, model)
+        return TrainStep(params, loss, _model_state(model), tx, mesh, config, example_batch, model, declared=declared)
+
+    declared = declare(model)
+    call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
 
     def plain_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
         del device
         return call(loss_fn, p, batch), state
 
-    return TrainStep(model, plain_loss, None, tx, mesh, config, example_batch, None)
+    return TrainStep(unboxed(model) if has_boxes(model) else model, plain_loss, None, tx, mesh, config, example_batch,
+                     None, declared=declared)
+
+
+def _model_axes(config: TrainConfig, declared: PyTree | None, gspmd: bool) -> tuple[str, ...]:
+    """The axes a gspmd step leaves to XLA, for the error about a loss with collectives over them
+    (the step's mode is resolved later; this is what the declarations already say)."""
+    if not (gspmd or (config.tensor_parallel is None and config.param_specs is None and shards_any(declared))):
+        return ()
+    return tuple(a for spec in jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, P))
+                 for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
 
 
 def _check_mutable(model: Any, mutable: Sequence[str]) -> tuple[str, ...]:
@@ -861,13 +962,22 @@ class _AxisContext:
     ``ValueError`` that names it and the mesh's axes (JAX raises a bare ``AssertionError`` or
     ``NameError`` from deep inside ``psum``)."""
 
-    def __init__(self, mesh: Mesh, data_axes: tuple[str, ...]):
+    def __init__(self, mesh: Mesh, data_axes: tuple[str, ...], auto_axes: Sequence[str] = ()):
         self.mesh_axes, self.data_axes = tuple(mesh.axis_names), data_axes
+        self.auto_axes = tuple(dict.fromkeys(auto_axes))
 
     def call(self, loss_fn: Callable[[Any, PyTree], Any], model: Any, batch: PyTree) -> Any:
         try:
             return loss_fn(model, batch)
         except (AssertionError, NameError) as e:
+            auto = [a for a in self.collective_axes(e) if a in self.auto_axes]
+            if auto:
+                raise ValueError(
+                    f"the loss uses a collective over {', '.join(map(repr, auto))}, which tensor_parallel='gspmd' "
+                    "leaves to XLA: the loss runs on global shapes there. Drop the collective (XLA inserts the "
+                    "tensor-parallel ones), or train with TrainConfig(tensor_parallel='manual', param_specs=...) "
+                    "on local blocks"
+                ) from e
             missing = self.unbound_axes(e)
             if not missing:
                 raise
@@ -883,17 +993,23 @@ class _AxisContext:
     def unbound_axes(self, error: BaseException) -> tuple[str, ...]:
         """The axis names that the collective ``error`` was raised in was called with and the
         mesh does not have; empty when ``error`` comes from somewhere else."""
-        missing: list[str] = []
+        return tuple(a for a in self.collective_axes(error) if a not in self.mesh_axes)
+
+    @staticmethod
+    def collective_axes(error: BaseException) -> tuple[str, ...]:
+        """The axis names of the collective ``error`` was raised in; empty when it comes from
+        somewhere else."""
+        names_seen: list[str] = []
         tb = error.__traceback__
         while tb is not None:
             frame = tb.tb_frame
             if frame.f_globals.get("__name__") == _COLLECTIVES_MODULE and "axis_name" in frame.f_locals:
                 names = frame.f_locals["axis_name"]
                 for name in names if isinstance(names, (tuple, list)) else (names,):
-                    if isinstance(name, str) and name not in self.mesh_axes and name not in missing:
-                        missing.append(name)
+                    if isinstance(name, str) and name not in names_seen:
+                        names_seen.append(name)
             tb = tb.tb_next
-        return tuple(missing)
+        return tuple(names_seen)
 
 
 #: Where ``jax.lax.psum``, ``pmean``, ``all_gather``, ``axis_index`` ... are defined: their
