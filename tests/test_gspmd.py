@@ -1,0 +1,363 @@
+"""``tensor_parallel="gspmd"``: tensor parallelism by XLA, data parallelism by jax_drain.
+
+The model here is written the GSPMD way: global shapes, no collectives in the loss, shardings
+declared on the parameters (``param_specs``, the arrays' ``NamedSharding``, nnx ``Param``
+metadata, linen logical partitioning with rules). The step's ``shard_map`` makes only the data
+axes manual; the buckets are laid out over each device's local blocks and reduced in a nested
+region manual over the model axis. Checked against float64 and one-device optax on
+``("data", "model")`` and ``("replica", "data", "model")`` meshes; each device holds 1/model of
+every model-sharded weight; on XLA's GPU compiler no weight is all-gathered over the model axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_drain as jd
+from helpers import (
+    adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, reference_run, rounding_chain,
+)
+from jax_drain.chain import host_to_params
+from jax_drain.layout import leaf_paths
+from jax_drain.shardings import declared_specs
+
+D, H, C, L = 8, 16, 4, 2  # width, hidden (split over model), outputs, blocks
+BATCH, STEPS, LR, WD, MAX_NORM = 16, 5, 2e-2, 0.1, 0.05
+
+BLOCK_SPECS = {"norm": None, "w_in": P(None, "model"), "b_in": P("model"), "w_out": P("model", None), "b_out": None}
+SPECS = {"blocks": [BLOCK_SPECS] * L, "head": None}
+
+MESHES = {
+    "data_model": ((4, 2), ("data", "model"), {}),
+    "replica_data_model": ((2, 2, 2), ("replica", "data", "model"), {"outer_axis": "replica", "microbatches": 2}),
+}
+
+
+def _params(rng):
+    n = lambda *s, scale=0.3: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
+    block = lambda: {"norm": 1.0 + n(D, scale=0.1), "w_in": n(D, H), "b_in": n(H, scale=0.1), "w_out": n(H, D),
+                     "b_out": n(D, scale=0.1)}
+    return {"blocks": [block() for _ in range(L)], "head": n(D, C)}
+
+
+def gspmd_loss(p, batch):
+    """Global shapes, no collectives: what XLA partitions over the model axis."""
+    h = batch["x"]
+    for q in p["blocks"]:
+        h = h + jnp.tanh(jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"] + q["b_out"])
+    return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+
+
+def _batches(seed, n):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(BATCH, D)).astype(np.float32), "y": rng.normal(size=(BATCH, C)).astype(np.float32)}
+            for _ in range(n)]
+
+
+def _decay(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def _mesh(kind, cpu_devices):
+    shape, names, _ = MESHES[kind]
+    return jax.make_mesh(shape, names, devices=cpu_devices)  # Explicit axes: jax's default, used as Auto
+
+
+def _placed(params, mesh, specs=SPECS):
+    return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s or P()), specs,
+                                               is_leaf=lambda x: x is None or isinstance(x, P)))
+
+
+def _additions(loss, params, batch, microbatches=1):
+    """Roundings on the longest chain of one gradient element, then the devices' and micro-batches' sums."""
+    return rounding_chain(jax.grad(loss), params, batch) + 8 + microbatches
+
+
+def _float64_grad(loss, params, batch):
+    with jax.enable_x64(True):
+        to64 = lambda t: jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), t)
+        value, grads = jax.value_and_grad(loss)(to64(params), to64(batch))
+        return float(value), jax.tree.map(np.asarray, grads)
+
+
+def _assert_model_blocks(tree, specs, mesh, what):
+    """Every leaf's NamedSharding is its spec and each device holds its block: 1/model of every
+    model-sharded dimension."""
+    for path, x, spec in zip(leaf_paths(tree), jax.tree.leaves(tree),
+                             jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, P))):
+        spec = spec or P()
+        want = tuple(d // (mesh.shape["model"] if i < len(spec) and spec[i] == "model" else 1)
+                     for i, d in enumerate(x.shape))
+        assert x.sharding.is_equivalent_to(NamedSharding(x.sharding.mesh, spec), x.ndim), f"{what} {path}: {x.sharding}"
+        assert all(s.data.shape == want for s in x.addressable_shards), f"{what} {path}: blocks of {want}"
+
+
+# -- the gradient: GradSync in a step that leaves the model axis to XLA ---------------------------
+
+
+@pytest.mark.parametrize("kind", list(MESHES))
+def test_value_and_grad_equals_the_float64_gradient(kind, cpu_devices):
+    mesh = _mesh(kind, cpu_devices)
+    params, (batch,) = _params(np.random.default_rng(0)), _batches(1, 1)
+    outer = MESHES[kind][2].get("outer_axis")
+    sync = jd.GradSync(params, mesh, axis="data", outer_axis=outer, param_specs=SPECS, bucket_size=64,
+                       tensor_parallel="gspmd")
+    assert sync.auto_axes == ("model",) and sync.num_buckets > 2
+    assert all(chain.shard_spec == P(("data", "model")) for chain in sync.chains)  # data axes first
+    step = jax.jit(sync.shard_map(lambda p, b: sync.value_and_grad(gspmd_loss)(p, b),
+                                  in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), sync.shard_specs())))
+    loss, shards = step(_placed(params, sync.mesh), batch)
+
+    ref_loss, ref = _float64_grad(gspmd_loss, params, batch)
+    additions = _additions(gspmd_loss, params, batch)
+    assert_within_rounding(float(loss), ref_loss, additions=additions, what="loss")
+    by_path = host_to_params(sync.description, [np.asarray(s) for s in shards])
+    got = jax.tree.unflatten(jax.tree.structure(params), [by_path[p] for p in leaf_paths(params)])
+    assert_within_rounding(got, ref, additions=additions, what=f"{kind} gradient")
+    # Every device holds its own piece of every bucket: split over the data and model axes.
+    devices = sync.axis_size * mesh.shape["model"]
+    for s, size in zip(shards, sync.bucket_sizes):
+        assert s.shape == (size * mesh.shape["model"],)
+        assert {sh.data.shape for sh in s.addressable_shards} == {(size * mesh.shape["model"] // devices,)}
+
+
+# -- the whole step against one-device optax --------------------------------------------------------
+
+
+def _reference_tx():
+    return optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, weight_decay=WD, mask=_decay))
+
+
+def _tx():
+    return jd.adamw(LR, weight_decay=WD, mask=_decay, max_norm=MAX_NORM)
+
+
+def _train_and_compare(step, init_params, reference_params, reference_loss, batches, what, to_tree=lambda p: p):
+    """STEPS steps of ``step`` against one-device optax on ``reference_loss``: parameters and
+    losses within the AdamW trajectory's rounding bounds."""
+    state, losses = step.init(init_params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics.loss))
+    want, want_losses, gradients = reference_run(reference_loss, reference_params, _reference_tx(), batches)
+    additions = _additions(reference_loss, reference_params, batches[0], step.config.microbatches)
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=LR, params=reference_params,
+                                  max_norm=MAX_NORM, weight_decay=WD)
+    assert_within(to_tree(jax.device_get(state.params)), want, bounds[-1], what=f"{what} after {STEPS} AdamW steps")
+    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+    assert np.all(np.abs(np.asarray(losses) - want_losses) <= loss_bounds), (losses, want_losses, loss_bounds)
+    assert losses[-1] < losses[0]
+    return state
+
+
+@pytest.mark.parametrize("kind", list(MESHES))
+def test_named_sharding_params_train_tensor_parallel_like_optax(kind, cpu_devices):
+    """Params placed with NamedSharding, no param_specs: the step reads the shardings, runs the
+    loss on global shapes (gspmd), holds every model-sharded weight as its blocks and its master
+    shards and optimizer state over data and model."""
+    mesh = _mesh(kind, cpu_devices)
+    _, _, options = MESHES[kind]
+    params, batches = _params(np.random.default_rng(0)), _batches(1, STEPS)
+    step = jd.make_train_step(_placed(params, mesh), gspmd_loss, _tx(), mesh,
+                              jd.TrainConfig(axis="data", bucket_size=60, **options), example_batch=batches[0])
+    assert step.tensor_parallel == "gspmd" and step.sync.tensor_parallel == "gspmd"
+    assert sum(chain.num_buckets for chain in step.sync.chains) > 2  # several buckets, drained
+    state = _train_and_compare(step, None, params, gspmd_loss, batches, kind)
+
+    _assert_model_blocks(state.params, SPECS, mesh, "params")
+    data = step.sync.axis_size  # the shards are replicated over "replica"
+    for m in state.opt_state.master:  # float32 master shards: split over data and model
+        assert m.sharding.spec == P(("data", "model"))
+        assert {s.data.shape for s in m.addressable_shards} == {(m.shape[0] // (data * mesh.shape["model"]),)}
+    for leaf in jax.tree.leaves(state.opt_state.inner):
+        if leaf.ndim:
+            assert {s.data.shape for s in leaf.addressable_shards} == {(leaf.shape[0] // (data * mesh.shape["model"]),)}
+
+
+def test_the_mode_follows_where_the_shardings_come_from(cpu_devices):
+    """param_specs keep the manual (local blocks + psum) path; shardings declared on the params
+    mean gspmd; either can be chosen explicitly; a collective over the model axis in a gspmd loss
+    is explained."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, (batch,) = _params(np.random.default_rng(0)), _batches(1, 1)
+    build = lambda p, config, loss=gspmd_loss: jd.make_train_step(p, loss, _tx(), mesh, config)
+    assert build(params, jd.TrainConfig(param_specs=SPECS)).tensor_parallel == "manual"
+    assert build(params, jd.TrainConfig()).tensor_parallel == "manual"  # nothing sharded: data parallel
+    assert build(_placed(params, mesh), jd.TrainConfig()).tensor_parallel == "gspmd"
+    assert build(params, jd.TrainConfig(param_specs=SPECS, tensor_parallel="gspmd")).tensor_parallel == "gspmd"
+    assert build(_placed(params, mesh), jd.TrainConfig(tensor_parallel="manual")).tensor_parallel == "manual"
+
+    def manual_loss(p, b):
+        return jax.lax.psum(gspmd_loss(p, b), "model")
+
+    with pytest.raises(ValueError, match="collective over 'model', which tensor_parallel='gspmd' leaves to XLA"):
+        jd.make_train_step(_placed(params, mesh), manual_loss, _tx(), mesh, jd.TrainConfig(), example_batch=batch)
+    with pytest.raises(ValueError, match="does not support shard_params"):
+        jd.TrainConfig(tensor_parallel="gspmd", shard_params=True)
+    with pytest.raises(ValueError, match="tensor_parallel must be 'manual'"):
+        jd.TrainConfig(tensor_parallel="xla")
+
+
+def test_declared_shardings_over_a_missing_or_data_axis_are_refused_with_their_path(cpu_devices):
+    mesh = _mesh("data_model", cpu_devices)
+    params = _params(np.random.default_rng(0))
+    other = jax.make_mesh((4, 2), ("data", "tensor"), devices=cpu_devices)
+    bad = _placed(params, mesh)
+    bad["head"] = jax.device_put(params["head"], NamedSharding(other, P(None, "tensor")))
+    bad["blocks"][1]["w_in"] = jax.device_put(params["blocks"][1]["w_in"], NamedSharding(mesh, P("data", "model")))
+    with pytest.raises(ValueError) as error:  # refused at once, before any tracing
+        jd.make_train_step(bad, gspmd_loss, _tx(), mesh, jd.TrainConfig())
+    message = str(error.value)
+    assert "'head': NamedSharding P(None, 'tensor') names ['tensor'], which the mesh lacks" in message
+    assert "'blocks/1/w_in': NamedSharding P('data', 'model') shards it over the data-parallel axis ['data']" in message
+    replica_model = jax.make_mesh((2, 4), ("replica", "model"), devices=cpu_devices)
+    abstract = {"blocks": [{"w_in": jax.ShapeDtypeStruct((D, H), jnp.float32,
+                                                         sharding=NamedSharding(replica_model, P("replica", "model")))}]}
+    with pytest.raises(ValueError, match="'blocks/0/w_in': .* over the data-parallel axis \\['replica'\\]"):
+        declared_specs(abstract, replica_model, data_axes=("replica",))
+
+
+# -- nnx metadata, linen logical rules --------------------------------------------------------------
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        part = lambda init, names: nnx.with_partitioning(init, names)
+        self.up = nnx.Linear(D, H, kernel_init=part(nnx.initializers.normal(0.3), (None, "model")),
+                             bias_init=part(nnx.initializers.normal(0.1), ("model",)), rngs=rngs)
+        self.down = nnx.Linear(H, D, kernel_init=part(nnx.initializers.normal(0.3), ("model", None)),
+                               bias_init=nnx.initializers.normal(0.1), rngs=rngs)
+
+    def __call__(self, h):
+        return h + jnp.tanh(self.down(jax.nn.gelu(self.up(h))))
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.block0, self.block1 = Block(rngs), Block(rngs)
+        self.head = nnx.Linear(D, C, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.block1(self.block0(x)))
+
+
+def nnx_loss(model, batch):
+    return jnp.mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1))
+
+
+def test_nnx_model_with_partitioning_metadata_trains_tensor_parallel(cpu_devices):
+    """nnx.with_partitioning metadata only (the arrays unplaced): read without param_specs."""
+    mesh = _mesh("data_model", cpu_devices)
+    with nnx.use_eager_sharding(False):
+        model = Model(nnx.Rngs(0))
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    specs = declared_specs(model, mesh, data_axes=("data",))
+    assert specs["block0"]["up"]["kernel"] == P(None, "model") and specs["head"]["kernel"] == P()
+
+    def reference_loss(p, batch):
+        copy = jax.tree.map(lambda x: x, state)
+        nnx.replace_by_pure_dict(copy, p)
+        return nnx_loss(nnx.merge(graphdef, copy), batch)
+
+    batches = _batches(1, STEPS)
+    step = jd.make_train_step(model, nnx_loss, _tx(), mesh, jd.TrainConfig(bucket_size=60), example_batch=batches[0])
+    assert step.tensor_parallel == "gspmd"
+    state_after = _train_and_compare(step, None, params, reference_loss, batches, "nnx")
+    _assert_model_blocks(state_after.params, specs, mesh, "nnx params")
+    step.update_model(model, state_after)
+    assert model.block0.up.kernel[...].shape == (D, H)
+
+
+class LinenBlocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        logical = lambda names, scale: nn.with_logical_partitioning(nn.initializers.normal(scale), names)
+        for _ in range(L):
+            h = nn.Dense(H, kernel_init=logical(("embed", "mlp"), 0.3), bias_init=logical(("mlp",), 0.1))(x)
+            x = x + jnp.tanh(nn.Dense(D, kernel_init=logical(("mlp", "embed"), 0.3))(jax.nn.gelu(h)))
+        return nn.Dense(C, kernel_init=logical(("embed", "vocab"), 0.3))(x)
+
+
+def test_linen_logical_partitioning_with_rules_trains_tensor_parallel(cpu_devices):
+    mesh = _mesh("replica_data_model", cpu_devices)
+    module = LinenBlocks()
+    boxed = module.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
+    rules = (("embed", None), ("mlp", "model"), ("vocab", None))
+    specs = declared_specs(boxed, mesh, rules)
+    assert specs["Dense_0"]["kernel"] == P(None, "model") and specs["Dense_1"]["kernel"] == P("model")
+    params = nn.meta.unbox(boxed)
+
+    def loss(p, batch):
+        return jnp.mean(jnp.sum((module.apply({"params": p}, batch["x"]) - batch["y"]) ** 2, axis=-1))
+
+    batches = _batches(2, STEPS)
+    config = jd.TrainConfig(axis="data", outer_axis="replica", bucket_size=60, logical_axis_rules=rules)
+    step = jd.make_train_step(boxed, loss, _tx(), mesh, config, example_batch=batches[0])
+    assert step.tensor_parallel == "gspmd"
+    state = _train_and_compare(step, params, params, loss, batches, "linen")
+    _assert_model_blocks(state.params, specs, mesh, "linen params")
+    with pytest.raises(ValueError, match="'Dense_0/kernel': logical partitioning P\\('embed', 'mlp'\\) names"):
+        jd.make_train_step(boxed, loss, _tx(), mesh, jd.TrainConfig(axis="data", outer_axis="replica"))
+
+
+# -- on XLA's GPU compiler: no weight gathered over the model axis ----------------------------------
+
+GD, GH, GL = 512, 2048, 2  # a bf16 stack big enough for XLA to treat like a real one
+
+
+def _gpu_step(tensor_parallel):
+    from jax_drain.planner.targets import gpu_mesh
+    from jax_drain.planner.schedule import parse_schedule
+
+    mesh = gpu_mesh((4, 2), ("data", "model"))
+    spec_of = {"norm": P(), "w_in": P(None, "model"), "b_in": P("model"), "w_out": P("model", None), "b_out": P()}
+    shape_of = {"norm": (GD,), "w_in": (GD, GH), "b_in": (GH,), "w_out": (GH, GD), "b_out": (GD,)}
+    block = {k: jax.ShapeDtypeStruct(shape_of[k], jnp.bfloat16, sharding=NamedSharding(mesh, spec_of[k]))
+             for k in shape_of}
+    params = {"blocks": [block] * GL, "head": jax.ShapeDtypeStruct((GD, GD), jnp.bfloat16)}
+    batch = {"x": jax.ShapeDtypeStruct((8 * 256, GD), jnp.bfloat16), "y": jax.ShapeDtypeStruct((8 * 256, GD), jnp.float32)}
+
+    def loss(p, b):  # gspmd: global shapes; manual: local blocks and the psum it then needs
+        h = b["x"]
+        for q in p["blocks"]:
+            z = jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"]
+            h = h + jnp.tanh((jax.lax.psum(z, "model") if tensor_parallel == "manual" else z) + q["b_out"])
+        return jnp.mean(((h @ p["head"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    config = jd.TrainConfig(axis="data", bucket_size=GD * GH // 2, tensor_parallel=tensor_parallel,
+                            param_specs=jax.tree.map(lambda x: x.sharding.spec if x.sharding else P(), params,
+                                                     is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))
+    step = jd.make_train_step(params, loss, jd.adamw(1e-3, max_norm=1.0), mesh, config, example_batch=batch)
+    compiled = step.lower(step.abstract_state(), batch).compile()
+    return step, compiled, parse_schedule(compiled.as_text())
+
+
+@pytest.mark.gpu_compile
+def test_no_weight_is_gathered_over_the_model_axis_on_the_gpu_compiler():
+    step, compiled, sched = _gpu_step("gspmd")
+    data, model = 4, 2
+    gathers = [c for c in sched.collectives if c.kind == "all-gather"]
+    # The only all-gathers are the optimizer's parameter gathers over the data axis, one per bucket.
+    assert gathers and all(c.group_size == data and c.in_scope("jax_drain/gather/bucket") for c in gathers)
+    assert len(gathers) == step.sync.num_buckets
+    # Over the model axis only all-reduces: XLA's activation sums and the replicated leaves' pmax.
+    assert {c.kind for c in sched.collectives if c.group_size == model} == {"all-reduce"}
+    # Each bucket one bf16 all-to-all over data, on its local blocks, drained: one in flight.
+    for k, size in enumerate(step.sync.bucket_sizes):
+        (c,) = [c for c in sched.collectives if c.in_scope(f"jax_drain/bucket{k}/")]
+        assert (c.kind, c.dtype, c.group_size, c.bytes) == ("all-to-all", "bf16", data, 2 * size)
+    assert sched.max_in_flight(lambda c: c.in_scope("jax_drain/bucket")) == 1
+
+    # The same collectives, bytes and temp memory as the hand-written tensor-parallel program.
+    _, manual, manual_sched = _gpu_step("manual")
+    summary = lambda s: sorted((c.kind, c.dtype, c.bytes, c.group_size) for c in s.collectives)
+    assert summary(sched) == summary(manual_sched)
+    assert compiled.memory_analysis().temp_size_in_bytes <= manual.memory_analysis().temp_size_in_bytes
