@@ -22,6 +22,7 @@ from jax_drain.optimizer import (
 )
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, ScanShards, stacked_leaves
+from jax_drain.shardings import declared_specs
 from jax_drain.sync import GradSync, Shards, local_params
 from jax_drain.train import StepMetrics, TrainConfig, TrainState, TrainStep, make_train_step
 
@@ -49,6 +50,7 @@ __all__ = [
     "WeightedLoss",
     "adamw",
     "clip_by_global_norm",
+    "declared_specs",
     "global_norm",
     "grad_ready_order",
     "latest_step",

@@ -473,8 +473,8 @@ class ChainedSync:
         return tuple(a for a in self.mesh.axis_names if a not in manual)
 
     def shard_map(self, f: Callable, *, in_specs: Any, out_specs: Any) -> Callable:
-        """``jax.shard_map`` of ``f`` over the sync's mesh, for the step that calls
-        :meth:`value_and_grad`: manual over :attr:`manual_axes`. The specs are the global arrays'
+        """``jax.shard_map`` of ``f`` over the sync's mesh, for the step that calls the sync's
+        ``value_and_grad``: manual over :attr:`manual_axes`. The specs are the global arrays'
         own (``sync.param_specs``, ``sync.shard_specs()``, ``opt.state_specs()``...); with
         ``"gspmd"`` they are cut to the data axes (:func:`jax_drain.mesh.split_spec`) and ``f``
         sees every array whole along the other axes (sharded there by XLA).
