@@ -181,6 +181,50 @@ def test_named_sharding_params_train_tensor_parallel_like_optax(kind, cpu_device
             assert {s.data.shape for s in leaf.addressable_shards} == {(leaf.shape[0] // (data * mesh.shape["model"]),)}
 
 
+def manual_loss(p, batch):
+    """:func:`gspmd_loss` written for local blocks: the psum over the model axis by hand."""
+    h = batch["x"]
+    for q in p["blocks"]:
+        z = jax.lax.psum(jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"], "model")
+        h = h + jnp.tanh(z + q["b_out"])
+    return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+
+
+def test_checkpoints_resume_bit_for_bit_and_move_to_the_manual_layout(cpu_devices, tmp_path):
+    """A gspmd state (shards data axes first) resumes bit for bit, and restores into a manual
+    step (model axis first) and back with every master element where it belongs."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, batches = _params(np.random.default_rng(0)), _batches(3, 5)
+    build = lambda config, loss=gspmd_loss, p=_placed(params, mesh): jd.make_train_step(
+        p, loss, _tx(), mesh, config, example_batch=batches[0])
+    step = build(jd.TrainConfig(bucket_size=60))
+    state = step.init()
+    for batch in batches[:2]:
+        state, _ = step(state, batch)
+    jd.save_checkpoint(tmp_path / "gspmd", state)
+    continued = []
+    for batch in batches[2:]:
+        state, metrics = step(state, batch)
+        continued.append(float(metrics.loss))
+    fresh = build(jd.TrainConfig(bucket_size=60))
+    restored, _ = jd.restore_checkpoint(tmp_path / "gspmd", fresh.abstract_state())
+    saved = fresh.master_params(restored)
+    resumed = []
+    for batch in batches[2:]:
+        restored, metrics = fresh(restored, batch)
+        resumed.append(float(metrics.loss))
+    assert resumed == continued
+
+    manual = build(jd.TrainConfig(bucket_size=60, param_specs=SPECS), manual_loss, params)
+    assert manual.tensor_parallel == "manual" and manual.optimizer.fingerprint != fresh.optimizer.fingerprint
+    moved, _ = jd.restore_checkpoint(tmp_path / "gspmd", manual.abstract_state())
+    jax.tree.map(np.testing.assert_array_equal, manual.master_params(moved), saved)
+    moved, _ = manual(moved, batches[2])
+    jd.save_checkpoint(tmp_path / "manual", moved)
+    back, _ = jd.restore_checkpoint(tmp_path / "manual", fresh.abstract_state())
+    jax.tree.map(np.testing.assert_array_equal, fresh.master_params(back), manual.master_params(moved))
+
+
 def test_the_mode_follows_where_the_shardings_come_from(cpu_devices):
     """param_specs keep the manual (local blocks + psum) path; shardings declared on the params
     mean gspmd; either can be chosen explicitly; a collective over the model axis in a gspmd loss
@@ -193,9 +237,6 @@ def test_the_mode_follows_where_the_shardings_come_from(cpu_devices):
     assert build(_placed(params, mesh), jd.TrainConfig()).tensor_parallel == "gspmd"
     assert build(params, jd.TrainConfig(param_specs=SPECS, tensor_parallel="gspmd")).tensor_parallel == "gspmd"
     assert build(_placed(params, mesh), jd.TrainConfig(tensor_parallel="manual")).tensor_parallel == "manual"
-
-    def manual_loss(p, b):
-        return jax.lax.psum(gspmd_loss(p, b), "model")
 
     with pytest.raises(ValueError, match="collective over 'model', which tensor_parallel='gspmd' leaves to XLA"):
         jd.make_train_step(_placed(params, mesh), manual_loss, _tx(), mesh, jd.TrainConfig(), example_batch=batch)
