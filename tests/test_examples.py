@@ -72,6 +72,13 @@ def test_train_linen():
     assert len(losses) == 20 and losses[-1] < 0.5 * losses[0]
 
 
+def test_flax_state_trains_nnx_and_linen_side_by_side(capsys):
+    """The README's nnx and linen paths: both train, their statistics evaluate to finite logits."""
+    losses = _load("flax_state").main(["--steps", "6"])
+    assert all(len(curve) == 6 and np.all(np.isfinite(curve)) for curve in losses.values())
+    assert "eval logits finite: nnx True, linen True" in capsys.readouterr().out
+
+
 def test_train_gpt_scan_layers_matches_unrolled(train_gpt, tmp_path):
     """--scan-layers (nnx.scan over the blocks, ScanGradSync, same initial weights) follows the
     unrolled run. Observed: <= 5e-6 relative. The forward is the same bf16 computation per layer,
