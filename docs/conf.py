@@ -209,7 +209,8 @@ def _fields_directive():
             rows = []
             for field in dataclasses.fields(cls):
                 if field.default is not dataclasses.MISSING:
-                    default = repr(field.default)
+                    value = field.default
+                    default = f"{value.__module__}.{value.__qualname__}" if inspect.isclass(value) else repr(value)
                 elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
                     default = f"{field.default_factory.__name__}()"  # type: ignore[misc]
                 else:

@@ -70,15 +70,21 @@ def filtered_stderr(drop: Callable[[str], bool] = is_noise) -> Iterator[None]:
     os.dup2(write_end, 2)
     os.close(write_end)
 
+    def write(data: bytes) -> None:
+        try:
+            os.write(saved, data)
+        except OSError:  # the real stderr is gone: keep draining the pipe, or writers would block
+            pass
+
     def pump() -> None:
         pending = b""
         while chunk := os.read(read_end, 65536):
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 if not drop(line.decode("utf-8", "replace")):
-                    os.write(saved, line + b"\n")
+                    write(line + b"\n")
         if pending and not drop(pending.decode("utf-8", "replace")):
-            os.write(saved, pending)
+            write(pending)
         os.close(read_end)
 
     thread = threading.Thread(target=pump, name="jax_drain-stderr-filter", daemon=True)

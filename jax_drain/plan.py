@@ -7,8 +7,11 @@ Re-exports the public names of :mod:`jax_drain.planner` (``plan``, ``plan_preset
         --json plan.json --plot plan.png
     python -m jax_drain.plan --loss my_model.py:loss --params my_model.py:params --batch my_model.py:batch
 
-Python: ``plan_model(loss_fn, params, batch)`` compares the strategies on your model
-(:mod:`jax_drain.planner.compare`); also reachable as ``jd.plan`` after ``import jax_drain as jd``.
+Python: ``print(plan_model(loss_fn, params, batch))`` compares the strategies on your model
+(:mod:`jax_drain.planner.compare`) and prints the table and the verdict, with one progress line
+per strategy on stderr while it compiles; also reachable as ``jd.plan`` after ``import jax_drain
+as jd``. With the ``gpu-compile`` extra installed it needs no environment variables: on a
+machine without a GPU, ``import jax_drain`` registers the CUDA plugin for compile-only devices.
 """
 
 from jax_drain.planner.cli import main

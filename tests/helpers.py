@@ -197,7 +197,7 @@ def _chain(jaxpr, inputs) -> int:
 
 def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, params=None, b1: float = 0.9,
                          b2: float = 0.999, eps: float = 1e-8, max_norm: float | None = None,
-                         weight_decay: float = 0.0, rounding: float = EPS32) -> list:
+                         weight_decay: float = 0.0, rounding: float = EPS32, gradient_scales=None) -> list:
     """Per step and element, how far two AdamW runs may have moved apart after that step when
     each step's gradient is off by ``rounding_bound(additions, that leaf's largest |g|)``; to
     first order in the errors.
@@ -209,21 +209,24 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
     ``gradients`` (one tree per step, before ``max_norm`` clipping, which scales errors and
     gradients alike), plus the update's and the parameters' (``params``) own few roundings.
     Decoupled weight decay carries the parameters' error on. ``rounding``: the gradient's unit
-    of error (float32's epsilon; ``1 / 127`` of a block's largest value for an int8 wire).
-    Returns one tree per step.
+    of error (float32's epsilon; ``1 / 127`` of a block's largest value for an int8 wire);
+    ``gradient_scales``: per step, a tree of what that unit is relative to, instead of each leaf's largest
+    ``|g|`` (e.g. the largest local gradient any device sends). Returns one tree per step.
     """
     trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
     treedef = jax.tree.structure(trees[0])
-    scales = ([np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(params)] if params is not None
-              else [0.0] * treedef.num_leaves)
+    param_scales = ([np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(params)] if params is not None
+                    else [0.0] * treedef.num_leaves)
     m, v, dm, dv, bound = ([np.zeros_like(x) for x in jax.tree.leaves(trees[0])] for _ in range(5))
     out = []
     for t, tree in enumerate(trees, 1):
         step = jax.tree.leaves(tree)
+        scale = (jax.tree.leaves(gradient_scales[t - 1]) if gradient_scales is not None
+                 else [np.max(np.abs(g), initial=0.0) for g in step])
         norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
         clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
         for i, g in enumerate(step):
-            delta = clip * rounding_bound(additions, np.max(np.abs(g), initial=0.0), rounding)
+            delta = clip * rounding_bound(additions, scale[i], rounding)
             g = clip * g
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g ** 2
@@ -234,7 +237,7 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
             root = np.sqrt(v_hat)
             update = np.abs(m_hat) / (root + eps)
             sensitivity = dm_hat / (root + eps) + update * dv_hat / np.maximum(2 * root * (root + eps), eps ** 2)
-            own = rounding_bound(4, learning_rate * update) + rounding_bound(2, scales[i])
+            own = rounding_bound(4, learning_rate * update) + rounding_bound(2, param_scales[i])
             bound[i] = bound[i] * (1 + learning_rate * weight_decay) + learning_rate * sensitivity + own
         out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
     return out

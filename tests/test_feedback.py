@@ -40,6 +40,23 @@ def _reducer(sync, feedback: bool):
     return jax.jit(_compat.shard_map(fn, mesh=sync.mesh, in_specs=P("data"), out_specs=sync.shard_specs()))
 
 
+def _trajectory(case, params, batches):
+    """The one-device reference's parameters before each step."""
+    from test_train_meshes import _reference
+
+    return [params] + [_reference(case, params, batches[:t])[0] for t in range(1, len(batches))]
+
+
+def _largest_local_gradients(case, params, batch):
+    """Per leaf, the largest gradient element any data-parallel device computes on its share of
+    ``batch`` (times ``1 + 1/127``: the residual it adds is at most half an int8 step)."""
+    shape, names = case.mesh
+    devices = int(np.prod([n for n, name in zip(shape, names) if name in ("replica", "data", "expert")]))
+    split = jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), batch)
+    local = jax.vmap(jax.grad(case.reference_loss), in_axes=(None, 0))(params, split)
+    return jax.tree.map(lambda g: float(np.max(np.abs(np.asarray(g, np.float64)))) * (1 + 1 / 127), local)
+
+
 @pytest.mark.parametrize("mode", ["int8_accum", "fp8_accum"])
 def test_wire_values_are_what_the_receivers_sum(mode):
     rng = np.random.default_rng(3)
@@ -272,11 +289,15 @@ def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(k
     for batch in batches[:STEPS]:
         state, _ = step(state, batch)
     want, _, gradients = _reference(case, params, batches[:STEPS])
-    # Each device rounds its gradient to int8 steps of 1 / 127 of its block's largest value (a
-    # block never spans two leaves, so at most the leaf's): half a step each, the mean of 8 at
-    # most half a step, once per micro-batch; feedback only lowers what adds up over steps.
-    int8 = adam_rounding_bounds(gradients, additions=case.config.get("microbatches", 1), rounding=1 / 127,
-                                learning_rate=LR, params=params, max_norm=MAX_NORM, weight_decay=WD)
+    # Each device sends its local gradient plus its residual, rounded to int8 steps of 1 / 127 of
+    # its block's largest value (a block never spans two leaves, so at most the leaf's largest
+    # local value, and the residual's half step more). What arrives is the gradient plus last
+    # step's residual minus this one's: off by at most two half steps, one step, of the largest
+    # local gradient any device holds; the mean over devices keeps that bound.
+    local = [_largest_local_gradients(case, p, batch) for p, batch in zip(_trajectory(case, params, batches[:STEPS]),
+                                                                          batches[:STEPS])]
+    int8 = adam_rounding_bounds(gradients, additions=1, rounding=1 / 127, gradient_scales=local, learning_rate=LR,
+                                params=params, max_norm=MAX_NORM, weight_decay=WD)
     assert_within(jax.device_get(state.params), want, int8[-1], what=f"{kind}, int8 wire with feedback")
     residuals = jax.tree.leaves(state.error_feedback)
     assert len(residuals) == sum(chain.num_buckets for chain in step.sync.chains)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import data_mesh
+from helpers import assert_within_rounding, rounding_chain
 from jax_drain import _compat
 from jax_drain.models import (
     PRESETS,
@@ -47,8 +48,10 @@ def _norm(arrays: list[np.ndarray]) -> float:
     return math.sqrt(sum(float(np.vdot(x, x)) for x in arrays))
 
 
-def _allclose(a, b, rtol=1e-5, atol=1e-6):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+def _chain(config: GPTConfig, params, batch, gradient: bool = True) -> int:
+    """Roundings on the longest chain of the model's loss (or its gradient) on ``batch``."""
+    loss = make_loss(config)
+    return rounding_chain(jax.grad(loss) if gradient else loss, params, batch)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -186,7 +189,8 @@ def test_causal_masking(config):
         # Random, not constant: LayerNorm would erase a constant shift.
         changed = inputs.at[:, pos].add(jax.random.normal(jax.random.key(2), inputs[:, pos].shape))
     before, after = forward(params, inputs), forward(params, changed)
-    np.testing.assert_allclose(before[:, :pos], after[:, :pos], rtol=1e-6, atol=1e-6)
+    additions = rounding_chain(forward, params, inputs)
+    assert_within_rounding(before[:, :pos], after[:, :pos], additions=additions, what="positions before the change")
     assert not np.allclose(before[:, pos:], after[:, pos:], atol=1e-4)
 
 
@@ -208,9 +212,11 @@ def test_tied_embedding_gradient_sums_both_uses():
     tied_value, tied_grads = _value_and_grad(config)(params, {"tokens": tokens})
     untied = jax.jit(jax.value_and_grad(untied_loss, argnums=(0, 1)))
     untied_value, (grad_in, grad_out) = untied(table, table)
-    np.testing.assert_allclose(tied_value, untied_value, rtol=1e-5)
+    batch = {"tokens": tokens}
+    assert_within_rounding(tied_value, untied_value, additions=_chain(config, params, batch, False), what="loss")
     grad_tied = tied_grads["embed"]["embedding"]
-    np.testing.assert_allclose(grad_tied, grad_in + grad_out, rtol=1e-4, atol=1e-7)
+    assert_within_rounding(grad_tied, grad_in + grad_out, additions=_chain(config, params, batch) + 1,
+                           what="tied embedding gradient")
     # Both uses contribute materially; neither alone is the gradient.
     for part in (grad_in, grad_out):
         assert float(jnp.linalg.norm(part)) > 0.05 * float(jnp.linalg.norm(grad_tied))
@@ -223,8 +229,8 @@ def test_remat_matches_no_remat(config):
     batch = example_batch(config, 2, jax.random.key(1))
     value, grads = _value_and_grad(config)(params, batch)
     value_ref, grads_ref = _value_and_grad(no_remat)(params, batch)
-    np.testing.assert_allclose(value, value_ref, rtol=1e-6)
-    _allclose(grads, grads_ref)
+    assert_within_rounding(value, value_ref, additions=_chain(config, params, batch, False), what="loss")
+    assert_within_rounding(grads, grads_ref, additions=_chain(config, params, batch), what="gradients")
 
     # Named "checkpoint" or "remat2" depending on the JAX version.
     remat_primitive = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
@@ -246,9 +252,10 @@ def test_scan_layers_matches_unrolled_blocks():
     batch = example_batch(config, 2, jax.random.key(1))
     value, grads = _value_and_grad(config)(params, batch)
     value_scan, grads_scan = _value_and_grad(scanned)(stacked, batch)
-    np.testing.assert_allclose(value, value_scan, rtol=1e-6)
+    assert_within_rounding(value, value_scan, additions=_chain(config, params, batch, False), what="loss")
     grad_blocks = [grads["blocks"][i] for i in range(config.num_layers)]
-    _allclose(dict(grads, blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *grad_blocks)), grads_scan)
+    assert_within_rounding(dict(grads, blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *grad_blocks)), grads_scan,
+                           additions=_chain(config, params, batch), what="gradients")
 
 
 def test_loss_inside_shard_map(cpu_devices):
@@ -272,5 +279,7 @@ def test_loss_inside_shard_map(cpu_devices):
         _compat.shard_map(data_parallel_grad, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
     )
     expected = _value_and_grad(config)(params, batch)[1]
-    _allclose(sharded(params, batch), expected, rtol=1e-4, atol=1e-6)
+    local = jax.tree.map(lambda x: x[:1], batch)
+    assert_within_rounding(sharded(params, batch), expected, additions=_chain(config, params, local) + 9,
+                           what="pmean of local gradients")
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
-from helpers import random_tree
+from helpers import assert_within, random_tree, rounding_bound
 from jax_drain import _compat
 from jax_drain.optimizer import GATHER_SCOPE
 from jax_drain.planner.schedule import parse_schedule
@@ -99,6 +99,24 @@ def _reference(tx, params, grads):
     return history
 
 
+def _dyadic(tree):
+    """Random values on a grid of 2**-10 below 2**4: any sum of 8 of them, and its mean, is exact
+    in float32 and bfloat16-rounded values stay on the grid, so the optimizer and optax receive
+    the same mean gradient bit for bit whatever the order of the devices' additions."""
+    return jax.tree.map(lambda g: jnp.asarray(np.round(np.clip(np.asarray(g), -15, 15) * 1024) / 1024, g.dtype), tree)
+
+
+def assert_optimizer_close(got, want, steps: int, what: str = "params") -> None:
+    """The same inputs, the same element-wise arithmetic: after ``steps`` steps each element is
+    within a few roundings per step of its value (the moments, the root, the division, the
+    update), plus one per element of the tree for a global norm's sum (a clip factor's error
+    moves an update of at most the learning rate, 0.05 here, by that relative amount)."""
+    size = sum(np.size(x) for x in jax.tree.leaves(want))
+    bound = jax.tree.map(lambda w: rounding_bound(8 * steps, np.abs(np.asarray(w, np.float64)))
+                         + rounding_bound(size * steps, 0.05), want)
+    assert_within(got, want, bound, what=what)
+
+
 def _mean(stacked_grads):
     return jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), stacked_grads)
 
@@ -107,7 +125,7 @@ def _mean(stacked_grads):
 def data():
     rng = np.random.default_rng(0)
     params = random_tree(rng, TEMPLATE)
-    grads = [random_tree(rng, TEMPLATE, leading=(8,)) for _ in range(3)]
+    grads = [_dyadic(random_tree(rng, TEMPLATE, leading=(8,))) for _ in range(3)]
     return params, grads
 
 
@@ -124,12 +142,11 @@ def test_matches_replicated_optax(name, data, runs):
     opt, history = runs[name]
     reference = _reference(TRANSFORMS[name](), params, grads)
     assert opt.sync.num_buckets >= 3
-    for (got, _), want in zip(history, reference):
+    for t, ((got, _), want) in enumerate(zip(history, reference), 1):
         moved = max(float(jnp.max(jnp.abs(w - p))) for w, p in zip(jax.tree.leaves(want), jax.tree.leaves(params)))
         assert moved > 1e-3  # the step did something worth comparing
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert g.dtype == jnp.float32
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+        assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(got))
+        assert_optimizer_close(got, want, t, what=f"{name}, step {t}")
 
 
 # Every optax transform that reads the parameter tree or a norm: equal to optax, or refused.
@@ -161,9 +178,8 @@ def test_tree_transforms_are_equal_to_optax_or_refused(name, data):
             jd.DistributedOptimizer(make(), jd.GradSync(params, data_mesh(8), bucket_size=BUCKET_SIZE))
         return
     _, history = _run(make(), params, grads)
-    for (got, _), want in zip(history, _reference(make(), params, grads)):
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    for t, ((got, _), want) in enumerate(zip(history, _reference(make(), params, grads)), 1):
+        assert_optimizer_close(got, want, t, what=f"{name}, step {t}")
 
 
 def test_masks_and_clipping_act(data):
@@ -173,12 +189,12 @@ def test_masks_and_clipping_act(data):
     masked = _reference(TRANSFORMS["lion_prefix_mask"](), params, grads[:1])[0]
     unmasked = _reference(optax.chain(optax.scale_by_lion(), optax.add_decayed_weights(0.5), optax.scale(-0.01)),
                           params, grads[:1])[0]
-    np.testing.assert_allclose(masked["blocks"][0]["b"], unmasked["blocks"][0]["b"], rtol=1e-6)  # decayed in both
+    assert_optimizer_close(masked["blocks"][0]["b"], unmasked["blocks"][0]["b"], 1)  # decayed in both
     assert np.max(np.abs(masked["embed"] - unmasked["embed"])) > 1e-3  # decay masked out
     decoupled = _reference(TRANSFORMS["adamw_masked_clipped"](), params, grads[:1])[0]
     plain = _reference(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)), params, grads[:1])[0]
     assert np.max(np.abs(decoupled["head"] - plain["head"])) > 1e-5  # decay applied to matrices...
-    np.testing.assert_allclose(decoupled["blocks"][1]["scale"], plain["blocks"][1]["scale"], rtol=1e-6)  # ...not scales
+    assert_optimizer_close(decoupled["blocks"][1]["scale"], plain["blocks"][1]["scale"], 1)  # ...not scales
 
 
 @pytest.mark.parametrize("sync_kwargs", [{"axis": ("replica", "data")}, {"axis": "data", "outer_axis": "replica"}],
@@ -190,9 +206,8 @@ def test_matches_replicated_optax_on_2d_meshes(sync_kwargs, data):
     tx = TRANSFORMS["adamw_masked_clipped"]
     opt, history = _run(tx(), params, grads, mesh=mesh, sync_kwargs=sync_kwargs)
     assert opt.state_specs().master[0] == P(sync_kwargs["axis"])
-    for (got, _), want in zip(history, _reference(tx(), params, grads)):
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    for t, ((got, _), want) in enumerate(zip(history, _reference(tx(), params, grads)), 1):
+        assert_optimizer_close(got, want, t, what=f"step {t}")
 
 
 def test_bf16_params_keep_float32_master(data):
@@ -201,12 +216,12 @@ def test_bf16_params_keep_float32_master(data):
     grads16 = [jax.tree.map(lambda g: g.astype(jnp.bfloat16), g) for g in grads]
     opt, history = _run(optax.adam(1e-3), params16, grads16)
     reference = _reference(optax.adam(1e-3), params16, grads16)
-    for (got, state), want in zip(history, reference):
+    for t, ((got, state), want) in enumerate(zip(history, reference), 1):
         master = opt.sync.unflatten(state.master)
-        for g, m, w in zip(jax.tree.leaves(got), jax.tree.leaves(master), jax.tree.leaves(want)):
+        for g, m in zip(jax.tree.leaves(got), jax.tree.leaves(master)):
             assert g.dtype == jnp.bfloat16 and m.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(g), np.asarray(m.astype(jnp.bfloat16)))
-            np.testing.assert_allclose(np.asarray(m), np.asarray(w), rtol=2e-6, atol=2e-6)
+        assert_optimizer_close(master, want, t, what=f"master, step {t}")
     # The updates (1e-3) are below bf16 resolution for most weights: only the master keeps them.
     assert any(np.any(np.asarray(m) != np.asarray(p, np.float32))
                for m, p in zip(jax.tree.leaves(master), jax.tree.leaves(params16)))
@@ -416,7 +431,7 @@ def _run_scan(tx, params, grads, bucket_size=1000):
 def scan_data():
     rng = np.random.default_rng(1)
     params = random_tree(rng, SCAN_TEMPLATE)
-    return params, [random_tree(rng, SCAN_TEMPLATE, leading=(8,)) for _ in range(3)]
+    return params, [_dyadic(random_tree(rng, SCAN_TEMPLATE, leading=(8,))) for _ in range(3)]
 
 
 @pytest.mark.parametrize("name", sorted(SCAN_TRANSFORMS))
@@ -429,10 +444,9 @@ def test_scan_sync_matches_replicated_optax(name, scan_data):
     assert sync.layer_bucket_sizes == (1024, 128) and sync.rest_bucket_sizes == (1408,)
     assert [m.shape for m in history[0][1].master[:2]] == [(3, b) for b in sync.layer_bucket_sizes]
     reference = _reference(SCAN_TRANSFORMS[name](), params, grads)
-    for (got, state), want in zip(history, reference):
-        for g, m, w in zip(jax.tree.leaves(got), jax.tree.leaves(opt.unflatten_master(state.master)),
-                           jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    for t, ((got, state), want) in enumerate(zip(history, reference), 1):
+        assert_optimizer_close(got, want, t, what=f"{name}, step {t}")
+        for g, m in zip(jax.tree.leaves(got), jax.tree.leaves(opt.unflatten_master(state.master))):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(m))  # float32 params: the master
     # Padding of every shard (the layer buckets' in every row) stays zero.
     refs = sync.flat_chains
@@ -449,7 +463,7 @@ def test_scan_sync_masks_and_clip_act(scan_data):
     masked = _reference(SCAN_TRANSFORMS["adamw_masked_clipped"](), params, grads[:1])[0]
     plain = _reference(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.01)), params, grads[:1])[0]
     assert np.max(np.abs(masked["blocks"]["w"] - plain["blocks"]["w"])) > 1e-5  # decayed
-    np.testing.assert_allclose(masked["blocks"]["b"], plain["blocks"]["b"], atol=1e-6)  # not decayed (1e-3 if it were)
+    assert_optimizer_close(masked["blocks"]["b"], plain["blocks"]["b"], 1)  # not decayed (1e-3 if it were)
 
 
 def test_scan_sync_state_layout(scan_data):
