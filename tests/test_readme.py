@@ -325,11 +325,12 @@ def test_the_stderr_filter_drops_only_the_cuda_stub_lines(capfd):
              "I0000 00:00:1796308406.910447    7192 cudart_stub.cc:31] Could not find cuda drivers on your machine, "
              "GPU will not be used.\n")
     with _quiet.filtered_stderr():
+        # First: pytest's capture may take Python's line past the descriptor, straight into its
+        # file, where the filter's own writes (from its thread) could otherwise land mid-line.
+        print("a real Python warning", file=sys.stderr, flush=True)
         os.write(2, noise.encode())
         os.write(2, b"E0000 a real error from C++\n")
-        print("a real Python warning", file=sys.stderr)
         os.write(2, b"no newline at the end")
-    # (pytest's capture may take Python's line past the descriptor: compare the lines, not their order)
     assert sorted(capfd.readouterr().err.splitlines()) == [
         "E0000 a real error from C++", "a real Python warning", "no newline at the end"]
 
