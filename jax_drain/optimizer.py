@@ -372,38 +372,17 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
                             params)
     rng = np.random.default_rng(0)
     make = lambda scale: jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), jnp.float32), abstract)
+        lambda s: np.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), np.float32), abstract)
     start, grads = make(1.0), [make(scale) for scale in _CHECK_SCALES]
 
     try:
-        state, tree, tree_updates = tx.init(start), start, []
-        for g in grads:
-            updates, state = tx.update(g, state, tree)
-            tree = optax.apply_updates(tree, updates)
-            tree_updates.append(updates)
+        tree_updates = _updates_on_tree(tx, start, grads)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
     layout = BucketLayout.build(abstract, bucket_size=3, shard_multiple=_CHECK_DEVICES)
-    num_leaves = len(layout.slots)
-    chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), (_CHECK_AXIS,), (),
-                        _CHECK_DEVICES, (), (1,) * num_leaves)
-    refs = tuple((chain, k) for k in range(layout.num_buckets))
-    view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False)
-
-    def one_device(rank: jax.Array) -> list[tuple[jax.Array, ...]]:
-        mine = lambda tree: tuple(chain.shard(b, k) for k, b in enumerate(layout.flatten(tree)))
-        master = FlatShards(mine(start), view)
-        state, steps = tx.init(master), []
-        for g in grads:
-            updates, state = tx.update(FlatShards(mine(g), view), state, master)
-            master = optax.apply_updates(master, updates)
-            steps.append(updates.shards)
-        return steps
-
     try:
-        per_device = jax.vmap(one_device, axis_name=_CHECK_AXIS)(jnp.arange(_CHECK_DEVICES))
-        flat_updates = [layout.unflatten(tuple(s.reshape(-1) for s in step)) for step in per_device]
+        flat_updates = _updates_on_shards(tx, abstract, layout, start, grads)
     except Exception as e:  # noqa: BLE001 - any failure on flat shards means tx cannot run there
         raise ValueError(_transform_hint("tx fails on flat shards", f"{type(e).__name__}: {e}")) from e
     for step, (want_tree, got_tree) in enumerate(zip(tree_updates, flat_updates)):
@@ -414,6 +393,66 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
                     "tx gives a different result on flat shards than on the parameter tree",
                     f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
                     f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
+
+
+def _updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> list[PyTree]:
+    """Each step's updates of ``tx`` run on the parameter tree ``start`` (eagerly: on arrays this
+    small, dispatching each operation costs less than compiling the steps)."""
+    tree = jax.tree.map(jnp.asarray, start)
+    state, steps = tx.init(tree), []
+    for g in grads:
+        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, tree)
+        tree = optax.apply_updates(tree, updates)
+        steps.append(updates)
+    return steps
+
+
+def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
+                       grads: Sequence[PyTree]) -> list[PyTree]:
+    """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
+    ``_CHECK_DEVICES`` simulated devices, as parameter trees. The shards are cut on the host:
+    only ``tx`` runs under the ``vmap``, where every operation is dispatched for both devices."""
+    num_leaves = len(layout.slots)
+    chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), (_CHECK_AXIS,), (),
+                        _CHECK_DEVICES, (), (1,) * num_leaves)
+    refs = tuple((chain, k) for k in range(layout.num_buckets))
+    view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False)
+
+    def one_device(start_shards: tuple[jax.Array, ...], grad_shards: list[tuple[jax.Array, ...]]) -> list:
+        master = FlatShards(start_shards, view)
+        state, steps = tx.init(master), []
+        for g in grad_shards:
+            updates, state = tx.update(FlatShards(g, view), state, master)
+            master = optax.apply_updates(master, updates)
+            steps.append(updates.shards)
+        return steps
+
+    per_device = jax.vmap(one_device, axis_name=_CHECK_AXIS)(_device_shards(layout, start),
+                                                             [_device_shards(layout, g) for g in grads])
+    return [_host_unflatten(layout, step) for step in per_device]
+
+
+def _device_shards(layout: BucketLayout, tree: PyTree) -> tuple[np.ndarray, ...]:
+    """``layout.flatten(tree)`` on the host, each bucket as ``[_CHECK_DEVICES, shard]``: row
+    ``r`` is device ``r``'s shard (``BucketChain.shard``)."""
+    leaves = [np.ravel(x) for x in jax.tree.leaves(tree)]
+    out = []
+    for bucket in layout.buckets:
+        whole = np.zeros((bucket.padded_size,), np.float32)
+        for p in bucket.pieces:
+            whole[p.offset:p.offset + p.size] = leaves[p.leaf][p.start:p.start + p.size]
+        out.append(whole.reshape(_CHECK_DEVICES, -1))
+    return tuple(out)
+
+
+def _host_unflatten(layout: BucketLayout, shards: Sequence[jax.Array]) -> PyTree:
+    """The parameter tree from ``[_CHECK_DEVICES, shard]`` buckets (``layout.unflatten``, on the host)."""
+    buckets = [np.asarray(s).reshape(-1) for s in shards]
+    leaves = [np.zeros((slot.size,), np.float32) for slot in layout.slots]
+    for bucket, whole in zip(layout.buckets, buckets):
+        for p in bucket.pieces:
+            leaves[p.leaf][p.start:p.start + p.size] = whole[p.offset:p.offset + p.size]
+    return jax.tree.unflatten(layout.treedef, [x.reshape(slot.shape) for x, slot in zip(leaves, layout.slots)])
 
 
 def _transform_hint(what: str, details: str) -> str:
