@@ -79,9 +79,11 @@ so that the statistics are those of the global batch. Without model state, a par
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -105,7 +107,7 @@ from jax_drain.mesh import (
     AxisSpec, ExpertSpec, as_axes, auto_mesh, axes_size, check_array_leaves, check_mesh, check_mesh_axes,
     check_tensor_parallel, leaf_specs,
 )
-from jax_drain.optimizer import DistributedOptimizer, DistState, layout_mismatch
+from jax_drain.optimizer import DistributedOptimizer, DistState, check_transform, layout_mismatch
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, stacked_leaves
 from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed
@@ -382,6 +384,7 @@ class TrainStep:
         self.sync: ChainedSync | None = None
         self.optimizer: DistributedOptimizer | None = None
         self._jitted = None
+        self._tx_check: _Background | None = None  # check_transform of tx, until the first step has run
         if example_batch is not None:
             self._build(example_batch)
 
@@ -419,19 +422,51 @@ class TrainStep:
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             raise ValueError("init needs concrete parameters; this step was built from abstract ones")
         _check_like(params, self._model_params)
-        # A copy, never an alias: the step donates its input state, which must not delete the
-        # caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even
-        # with may_alias=False when it reshards; a jitted copy never does.)
-        source = jax.jit(_copy, out_shardings=self._param_shardings)(params)
-        whole = NamedSharding(self.mesh, P())
-        step = jax.device_put(jnp.zeros((), jnp.int32), whole)
         if model_state is not None:
             model_state = _model_state(self._model) if self._model is not None else model_state
-            model_state = jax.jit(_copy, out_shardings=whole)(model_state)
         if self.optimizer is None:  # built by the first call, which also casts the params
+            source, step, model_state = self._placed_copies(params, model_state)
             return TrainState(source, None, step, model_state)
-        return TrainState(self._working_params(source), self.optimizer.init_sharded(source), step, model_state,
-                          self._init_error_feedback())
+        with self._tx_explains():
+            (params, opt_state), step, model_state = self._placed_copies(params, model_state, fresh=True)
+        return TrainState(params, opt_state, step, model_state, self._init_error_feedback())
+
+    def _placed_copies(self, params: PyTree, model_state: PyTree, *, fresh: bool = False) -> tuple[Any, jax.Array, Any]:
+        """``(params, step 0, model_state)`` copied onto the mesh, in one compiled program; with
+        ``fresh``, ``(working params, optimizer state)`` (:meth:`_fresh`) in place of ``params``.
+
+        Copies, never aliases: the step donates its input state, which must not delete the
+        caller's (or the nnx model's) arrays. (device_put may alias a device's buffer even with
+        may_alias=False when it reshards; a jitted copy never does.) Placed by a ``shard_map``
+        with the step's own specs, as the step places its outputs: the state gets the shardings
+        the step returns (``P(None, None)``, not ``P()``), so its second call finds the compiled
+        step instead of tracing and lowering it again for an equivalent sharding."""
+        first, first_specs = (self._fresh, self._fresh_specs()) if fresh else (_copy, self._param_specs)
+
+        def copies(params: PyTree, model_state: PyTree) -> tuple[Any, jax.Array, Any]:
+            return first(params), jnp.zeros((), jnp.int32), _copy(model_state)
+
+        placed = _compat.shard_map(copies, mesh=self.mesh, in_specs=(self._param_specs, P()),
+                                   out_specs=(first_specs, P(), P()))
+        return jax.jit(placed)(params, model_state)
+
+    def _fresh(self, params: PyTree) -> tuple[PyTree, DistState]:
+        """Inside ``shard_map``: the working parameters (cast to ``param_dtype``; with
+        ``shard_params`` this device's bucket shards, a :class:`~jax_drain.zero3.ParamShards`) and
+        this device's optimizer state, both from the model's own ``params`` (local blocks): the
+        master shards never come from a narrower working copy."""
+        working = _working(_copy(params), self.config.param_dtype)
+        if self.config.shard_params:
+            working = zero3.ParamShards(zero3.shard_params(self.sync, working), self.optimizer.layout)
+        return working, self.optimizer.init(params)
+
+    def _fresh_specs(self) -> tuple[PyTree, DistState]:
+        """``shard_map`` specs of :meth:`_fresh`'s outputs: the step's own."""
+        if self.config.shard_params:
+            params = zero3.ParamShards(self.sync.shard_specs(), self.optimizer.layout)
+        else:
+            params = self.sync.param_specs
+        return params, self.optimizer.state_specs()
 
     def _init_error_feedback(self) -> ErrorFeedback | None:
         return init_error_feedback(self.sync) if self.config.error_feedback else None
@@ -443,15 +478,25 @@ class TrainStep:
         state this call returns.
         """
         _check_not_consumed(state)
-        state = self._ready(state, batch)
-        return self._jitted(state, self.shard_batch(batch))
+        with self._tx_explains():
+            state = self._ready(state, batch)
+            batch = self.shard_batch(batch)
+            if self._tx_check is not None:
+                # The first compile, on its own, while the tx check finishes: the call below
+                # reuses it, and a refused tx raises before the state is donated.
+                self._jitted.lower(state, batch).compile()
+        self._wait_tx_check()
+        return self._jitted(state, batch)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for arrays or ``jax.ShapeDtypeStruct``s (e.g. to inspect its HLO)."""
-        if self.optimizer is None:
-            self._build(batch)
-        self._check_state_fast(state)
-        return self._jitted.lower(state, self._check_batch(batch))
+        with self._tx_explains():
+            if self.optimizer is None:
+                self._build(batch)
+            self._check_state_fast(state)
+            lowered = self._jitted.lower(state, self._check_batch(batch))
+        self._wait_tx_check()
+        return lowered
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """``batch`` placed on the mesh, split over the data axes (checks divisibility)."""
@@ -479,8 +524,9 @@ class TrainStep:
         model_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), self._model_state)
         feedback = abstract_error_feedback(self.sync) if self.config.error_feedback else None
-        return TrainState(params, self.optimizer.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32, sharding=whole),
-                          model_state, feedback)
+        with self._tx_explains():
+            opt_state = self.optimizer.abstract_state()
+        return TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=whole), model_state, feedback)
 
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
         """Writes ``state``'s parameters and other model state (batch statistics, RNG counters)
@@ -522,22 +568,6 @@ class TrainStep:
         params = self.master_params(state)
         return {"params": params, **jax.tree.map(np.asarray, jax.device_get(state.model_state))}
 
-    @property
-    def _param_shardings(self) -> PyTree:
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._param_specs)
-
-    def _working_params(self, params: PyTree) -> PyTree:
-        """The working parameters from the model's own: cast to ``param_dtype`` and, with
-        ``shard_params``, cut into this device's bucket shards (:class:`~jax_drain.zero3.ParamShards`)."""
-        if self.config.param_dtype is not None:
-            params = jax.jit(lambda t: _working(t, self.config.param_dtype), out_shardings=self._param_shardings)(params)
-        if not self.config.shard_params:
-            return params
-        sync = self.sync
-        cut = _compat.shard_map(lambda p: zero3.shard_params(sync, p), mesh=self.mesh,
-                                in_specs=(sync.param_specs,), out_specs=sync.shard_specs())
-        return zero3.ParamShards(jax.jit(cut)(params), self.optimizer.layout)
-
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
         the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""
@@ -575,8 +605,13 @@ class TrainStep:
                             expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel, **options)
         if config.error_feedback:
             check_error_feedback(sync)
-        optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight)
-        specs = optimizer.state_specs()
+        # tx is checked (check_transform) on a thread: its Python work overlaps XLA's compiles
+        # of init and of the first step, which run without the GIL.
+        optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight,
+                                         check_tx=False)
+        self._tx_check = _Background(check_transform, self.tx, sync.abstract_params)
+        with self._tx_explains():  # the state's layout evaluates tx.init on flat shards
+            specs = optimizer.state_specs()
         feedback = error_feedback_specs(sync) if config.error_feedback else None
         if config.shard_params:
             zero3.check_shardable(sync)
@@ -651,11 +686,33 @@ class TrainStep:
             self._build(batch)
         if isinstance(state, TrainState) and state.opt_state is None:
             # The master shards come from the model's own values, not from a narrower working copy.
-            state = state._replace(params=self._working_params(state.params),
-                                   opt_state=self.optimizer.init_sharded(state.params),
-                                   error_feedback=self._init_error_feedback())
+            fresh = _compat.shard_map(self._fresh, mesh=self.mesh, in_specs=(self.sync.param_specs,),
+                                      out_specs=self._fresh_specs())
+            params, opt_state = jax.jit(fresh)(state.params)
+            state = state._replace(params=params, opt_state=opt_state, error_feedback=self._init_error_feedback())
         self._check_state_fast(state)
         return state
+
+    def _wait_tx_check(self) -> None:
+        """Waits for the tx check; raises its error (at every call, once it has failed)."""
+        if self._tx_check is not None:
+            self._tx_check.wait()
+            self._tx_check = None
+
+    @contextlib.contextmanager
+    def _tx_explains(self) -> Iterator[None]:
+        """An error raised while the tx check is still pending (tracing ``tx.init`` or
+        ``tx.update`` on flat shards, say) gives way to the check's own error, which says what
+        to use instead; chained to it."""
+        try:
+            yield
+        except Exception as error:
+            if self._tx_check is not None:
+                try:
+                    self._tx_check.wait()
+                except ValueError as refused:
+                    raise refused from error
+            raise
 
     # -- inside shard_map -------------------------------------------------------------------
     def _scalar_loss(self, in_shard_map: bool) -> Callable[[PyTree, PyTree], jax.Array]:
@@ -801,9 +858,12 @@ def make_train_step(
             :class:`~jax_drain.WeightedLoss`; with ``mutable``, ``(loss, updates)``, ``updates``
             being the collections ``module.apply(variables, x, mutable=mutable)`` returns. It runs
             inside ``shard_map`` on local parameter blocks.
-        tx: an optax transform that means the same on flat shards as on the tree (checked once);
-            masks and clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
+        tx: an optax transform that means the same on flat shards as on the tree; masks and
+            clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
             :func:`jax_drain.clip_by_global_norm` (see :class:`~jax_drain.DistributedOptimizer`).
+            Checked once (:func:`~jax_drain.optimizer.check_transform`), on a thread while init and
+            the first step compile: a refused ``tx`` raises before the first step runs (its state
+            is not donated), or where ``tx`` first fails on flat shards.
         mesh: the device mesh; the batch is split over ``config.outer_axis`` and ``config.axis``.
             Collectives in the model (``BatchNorm(axis_name=...)``) name these axes.
         config: :class:`TrainConfig` (defaults if ``None``).
@@ -955,6 +1015,29 @@ def _describe(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"an array of shape {tuple(value.shape)} alone"
     return type(value).__name__
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own; :meth:`wait` joins it and raises what it raised.
+
+    Not a daemon: an interpreter that exits first waits for it rather than tearing the JAX
+    runtime down under it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=f"jax_drain {fn.__name__}")
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again by the thread that waits
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class _AxisContext:
