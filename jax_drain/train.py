@@ -585,6 +585,9 @@ class TrainStep:
         """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
         config, mesh = self.config, self.mesh
         batch = self._check_batch(batch)
+        # tx is checked (check_transform) on a thread, from here on: its Python work overlaps the
+        # compiles of init and of the first step, which XLA runs without the GIL.
+        self._tx_check = _Background(check_transform, self.tx, self._abstract_params)
         k = config.microbatches
         global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
                                     batch)
@@ -605,11 +608,8 @@ class TrainStep:
                             expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel, **options)
         if config.error_feedback:
             check_error_feedback(sync)
-        # tx is checked (check_transform) on a thread: its Python work overlaps XLA's compiles
-        # of init and of the first step, which run without the GIL.
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight,
-                                         check_tx=False)
-        self._tx_check = _Background(check_transform, self.tx, sync.abstract_params)
+                                         check_tx=False)  # checked on the thread above
         with self._tx_explains():  # the state's layout evaluates tx.init on flat shards
             specs = optimizer.state_specs()
         feedback = error_feedback_specs(sync) if config.error_feedback else None
