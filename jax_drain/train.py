@@ -448,6 +448,11 @@ class TrainStep:
 
         placed = _compat.shard_map(copies, mesh=self.mesh, in_specs=(self._param_specs, P()),
                                    out_specs=(first_specs, P(), P()))
+        # On an Explicit mesh shard_map checks each input's sharding against its spec, so the
+        # sources go to their specs first (this may alias them; the jitted copy never does).
+        on_mesh = lambda spec: NamedSharding(self.mesh, spec)
+        params = jax.device_put(params, jax.tree.map(on_mesh, self._param_specs))
+        model_state = jax.device_put(model_state, on_mesh(P()))
         return jax.jit(placed)(params, model_state)
 
     def _fresh(self, params: PyTree) -> tuple[PyTree, DistState]:
