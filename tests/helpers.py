@@ -88,6 +88,9 @@ def assert_padding_zero(layout, buckets, what: str = "result") -> None:
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23; one float32 rounding moves a value by <= EPS32 / 2 of it
 
 
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)  # 2**-7; one bf16 rounding moves a value by <= EPS_BF16 / 2 of it
+
+
 # Eight devices' terms added in float32 and the mean's division: the relative bound of every
 # device sum the tests compare against float64, times the sum of |terms| per element.
 DEVICE_SUM_RTOL = 9 * EPS32
@@ -109,6 +112,15 @@ def rounding_bound(additions: int, scale, eps: float = EPS32):
     return additions * eps * np.asarray(scale, np.float64)
 
 
+def typical_rounding(additions: int, scale, eps: float = EPS32):
+    """How far rounding typically moves a computation of ``additions`` roundings: errors of
+    random sign add like a random walk, ``sqrt(additions) * eps * scale`` (Higham, *Accuracy
+    and Stability of Numerical Algorithms*, 2.8). For a quantity divided by a small number (a
+    finite difference's step), where :func:`rounding_bound`'s worst case over a chain of
+    thousands would exceed the quantity itself."""
+    return np.sqrt(additions) * eps * np.asarray(scale, np.float64)
+
+
 def assert_within_rounding(got, want, *, additions: int, scale=None, eps: float = EPS32,
                            what: str = "result") -> None:
     """Per leaf and element, ``|got - want| <= rounding_bound(additions, scale, eps)``.
@@ -127,6 +139,17 @@ def assert_within_rounding(got, want, *, additions: int, scale=None, eps: float 
         bounds = [bound(None, s) for s in jax.tree.leaves(scale)]
     assert_within(got, want, jax.tree.unflatten(jax.tree.structure(want), bounds),
                   what=f"{what} ({additions} roundings of {eps:.2e})")
+
+
+def assert_bf16_sum_close(got, ref, magnitude, *, roundings: int, what: str = "result") -> dict[str, float]:
+    """A sum computed in bf16 against its exact (float64) value, per element: each of
+    ``roundings`` roundings (the terms cast to bf16, each partial sum of a ring reduce-scatter,
+    a mean's division) moves it by at most ``EPS_BF16 / 2`` of the sum of ``|terms|``
+    (``magnitude``, a tree like ``ref``). Returns the per-leaf relative errors, to check that
+    bf16 visibly rounded what it summed."""
+    bound = jax.tree.map(lambda m: roundings * EPS_BF16 / 2 * np.asarray(m, np.float64), magnitude)
+    assert_within(got, ref, bound, what=f"{what} ({roundings} bf16 roundings)")
+    return leaf_errors(got, ref)
 
 
 def assert_within(got, want, bound, *, what: str = "result") -> None:
