@@ -17,6 +17,8 @@ _ACCELERATOR = os.environ.get("JAX_DRAIN_TEST_PLATFORM", "cpu").lower()
 _ACCELERATOR = "cuda" if _ACCELERATOR == "gpu" else _ACCELERATOR
 os.environ["JAX_PLATFORMS"] = "cpu" if _ACCELERATOR == "cpu" else f"cpu,{_ACCELERATOR}"
 
+import jax_drain  # noqa: E402,F401  (before jax: no CUDA-plugin start-up lines on a machine without a GPU)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
