@@ -94,6 +94,7 @@ def _example():
     return module
 
 
+@pytest.mark.public_model
 @pytest.mark.parametrize("mesh", ["4,1,2", "2,2,2"], ids=["data4_tensor2", "data2_fsdp2_tensor2"])
 def test_flax_lm1b_transformer_unchanged_trains_like_one_device_optax(flax_source, mesh, cpu_devices):
     ex = _example()
