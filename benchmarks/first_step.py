@@ -1,0 +1,374 @@
+"""Time to first result: ``jd.make_train_step`` against a plain ``jax.jit`` optax step.
+
+On 8 virtual CPU devices, for each model and each variant in a fresh process (no compile cache
+shared between them):
+
+* ``build``: ``make_train_step(..., example_batch=...)`` + ``init()`` for jax_drain; for ``jit``,
+  splitting the nnx model, placing the params replicated on the mesh and a jitted ``tx.init``;
+* ``first``: the first step (trace, lower, compile, run), until its metrics are ready;
+* ``steady``: the median of the next ``--steps`` steps.
+
+The same model (a ``jax_drain.models.GPT`` as an ``nnx.Module``), loss, ``optax.adamw`` and
+batch (split over a ``("data",)`` mesh; the ``jit`` step keeps its params replicated).
+
+On compile-only 8xH100 devices (``jax_drain.plan.gpu_mesh``): the same train step (gradient
+and AdamW update) of a Llama-3-8B-shaped model, timed from building it to
+``.lower(...).compile()`` done, for jax_drain and for ``jax.jit`` with replicated params
+(``jit``) or params annotated FSDP-style (``jit_fsdp``).
+
+``--baseline-tree DIR`` adds a ``jd@<label>`` variant that imports jax_drain from another
+checkout (e.g. ``git archive HEAD~3 jax_drain | tar -x -C /tmp/before``), so that before and
+after are measured side by side, interleaved, in one run.
+
+    python benchmarks/first_step.py --out benchmarks/results
+    python benchmarks/first_step.py --baseline-tree /tmp/before --baseline-label 7a4fc26 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: CPU models: (GPTConfig fields, global batch). ``gpt-8m``: 8 blocks, 8.4M parameters.
+CPU_MODELS: dict[str, tuple[dict[str, Any], int]] = {
+    "gpt-8m": (dict(num_layers=8, d_model=256, num_heads=4, seq_len=64, vocab_size=8192), 16),
+    "gpt-132k": (dict(num_layers=2, d_model=64, num_heads=4, seq_len=64, vocab_size=512), 16),
+}
+
+#: Llama-3-8B's shape in GPT blocks: d_model 4096, 32 heads, vocabulary 128256, 32 layers
+#: (a 4x GELU MLP and a tied embedding instead of SwiGLU and a separate head: 7.0B parameters).
+GPU_MODEL = dict(d_model=4096, num_heads=32, seq_len=2048, vocab_size=128256)
+GPU_LAYERS = 32
+
+BUCKET_SIZE = 1_000_000  # CPU models: about 8 buckets for gpt-8m
+
+NOTES = """\
+Columns. CPU: *build* is `make_train_step(..., example_batch=...)` + `init()` for jax_drain, and
+for `jit` splitting the model, placing the params and a jitted `tx.init`; *first step* is the
+first call until its metrics are ready (trace, lower, compile, run); *steady step* the median of
+the next steps; *build + first - steady* what starting costs beyond one step, the comparison
+that holds when the two steps run at different speeds. GPU: *build* is `make_train_step`
+(or `jax.jit`), *lower* `abstract_state()` + `.lower(...)`, *compile* `.compile()` for 8
+compile-only H100s. `jd@<commit>` is jax_drain before the changes, run side by side.
+
+XLA:CPU runs the `jit` step's gradient all-reduces (one per parameter, 71 for gpt-8m) as
+rendezvous of the 8 virtual devices' threads: on 2 cores that step is several times slower than
+jax_drain's (7 bucket reduce-scatters), so its first step is too; on a machine with a core per
+device the two steady steps are equal. The GPU model is Llama-3-8B's shape in
+`jax_drain.models.GPT` blocks (d_model 4096, 32 heads, 32 layers, vocabulary 128256, seq 2048,
+one sequence per device; a 4x GELU MLP and a tied embedding: 7.0B parameters), bf16 parameters,
+`TrainConfig()` defaults (40M-element buckets).
+"""
+LEARNING_RATE = 1e-3
+
+
+# -- workers: one measurement in this process ----------------------------------------------------
+
+
+def _gpt_config(fields: dict[str, Any], dtype: str):
+    import jax.numpy as jnp
+
+    from jax_drain.models import GPTConfig
+
+    return GPTConfig(**fields, param_dtype=jnp.dtype(dtype))
+
+
+def cpu_worker(variant: str, model_name: str, steps: int) -> dict[str, Any]:
+    import jax_drain as jd
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_drain.models import GPT
+
+    fields, batch_size = CPU_MODELS[model_name]
+    config = _gpt_config(fields, "float32")
+    model = GPT(config, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, config.vocab_size, (batch_size, config.seq_len + 1)).astype(np.int32)}
+               for _ in range(4)]
+    loss_fn = lambda m, b: m.loss(b)  # noqa: E731
+    tx = optax.adamw(LEARNING_RATE)
+
+    start = time.perf_counter()
+    if variant == "jit":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        replicated = NamedSharding(mesh, P())
+        params = jax.device_put(params, replicated)
+        opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+
+        def train_step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        jitted = jax.jit(train_step, in_shardings=(replicated, replicated, NamedSharding(mesh, P("data"))),
+                         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+        state = (params, opt_state)
+        jax.block_until_ready(state)
+
+        def run(state, batch):
+            params, opt_state, loss = jitted(*state, batch)
+            return (params, opt_state), loss
+    else:
+        step = jd.make_train_step(model, loss_fn, tx, mesh, jd.TrainConfig(bucket_size=BUCKET_SIZE),
+                                  example_batch=batches[0])
+        state = step.init()
+        jax.block_until_ready(state)
+
+        def run(state, batch):
+            state, metrics = step(state, batch)
+            return state, metrics.loss
+    build = time.perf_counter() - start
+
+    start = time.perf_counter()
+    state, loss = run(state, batches[0])
+    jax.block_until_ready((state, loss))
+    first = time.perf_counter() - start
+    times, losses = [], [float(loss)]
+    for i in range(steps):
+        start = time.perf_counter()
+        state, loss = run(state, batches[(i + 1) % len(batches)])
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"build_s": build, "first_s": first, "steady_s": statistics.median(times), "params": int(num_params),
+            "losses": losses[:3], "jax_drain": os.path.dirname(jd.__file__)}
+
+
+def gpu_worker(variant: str, layers: int, micro_batch: int) -> dict[str, Any]:
+    import jax_drain as jd
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_drain import models
+    from jax_drain.plan import gpu_mesh
+    from jax_drain.planner.plan import fsdp_spec
+
+    config = _gpt_config({**GPU_MODEL, "num_layers": layers}, "bfloat16")
+    mesh = gpu_mesh((8,), ("data",))
+    params = models.abstract_params(config)
+    batch = models.example_batch(config, micro_batch * 8)
+    loss_fn = models.make_loss(config)
+    tx = optax.adamw(LEARNING_RATE)
+
+    start = time.perf_counter()
+    if variant.startswith("jit"):
+        opt_state = jax.eval_shape(tx.init, params)
+        # jit: everything replicated; jit_fsdp: every leaf (params, Adam moments) sharded along
+        # its smallest dimension that 8 divides, the planner's gspmd_fsdp rule.
+        spec = (lambda x: fsdp_spec(x.shape, 8)) if variant == "jit_fsdp" else (lambda x: P())
+        param_shardings, opt_shardings = (jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
+                                          for tree in (params, opt_state))
+
+        def train_step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        jitted = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P("data"))),
+                         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
+                         donate_argnums=(0, 1))
+        built = time.perf_counter()
+        lowered = jitted.lower(params, opt_state, batch)
+    else:
+        step = jd.make_train_step(params, loss_fn, tx, mesh, jd.TrainConfig(), example_batch=batch)
+        built = time.perf_counter()
+        lowered = step.lower(step.abstract_state(), batch)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    memory = compiled.memory_analysis()
+    return {"build_s": built - start, "lower_s": lowered_at - built, "compile_s": done - lowered_at,
+            "total_s": done - start, "params": int(config.num_params()),
+            "temp_bytes": int(memory.temp_size_in_bytes), "jax_drain": os.path.dirname(jd.__file__)}
+
+
+# -- the driver: fresh processes, interleaved ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    kind: str  # "cpu" or "gpu"
+    variant: str  # "jit", "jit_fsdp", "jd", "jd@<commit>"
+    setting: str  # CPU model name or "8B-like/<layers>L"
+    args: tuple[str, ...]
+    tree: str | None = None  # another jax_drain checkout to import from
+
+
+def _commit(tree: str | None) -> str:
+    cwd = tree or pathlib.Path(__file__).resolve().parent
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "jax_drain"], cwd=cwd,
+                           capture_output=True, text=True).stdout.strip()
+    return (out.stdout.strip() or "unknown") + ("+changes" if dirty and tree is None else "")
+
+
+def run_job(job: Job, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    if job.tree is not None:  # its jax_drain first on the path
+        env["PYTHONPATH"] = os.pathsep.join([job.tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    variant = "jd" if job.variant.startswith("jd") else job.variant
+    cmd = [sys.executable, __file__, "--worker", job.kind, "--variant", variant, *job.args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def summarize(results: dict[Job, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (setting, variant): medians over the repeats, ratios to ``jit``."""
+    rows = []
+    for job, runs in results.items():
+        row: dict[str, Any] = {"kind": job.kind, "setting": job.setting, "variant": job.variant,
+                               "params": runs[0]["params"], "repeats": len(runs)}
+        keys = ("build_s", "first_s", "steady_s") if job.kind == "cpu" else ("build_s", "lower_s", "compile_s",
+                                                                             "total_s")
+        row.update({k: _median(runs, k) for k in keys})
+        if job.kind == "cpu":
+            row["to_first_s"] = _median([{"t": r["build_s"] + r["first_s"]} for r in runs], "t")
+            # What starting costs beyond one step: building, tracing, lowering, compiling. The
+            # fair comparison where the two steps run at different speeds (this CPU backend runs
+            # the jit step's many small all-reduces slowly on few cores).
+            row["one_off_s"] = _median([{"t": r["build_s"] + r["first_s"] - r["steady_s"]} for r in runs], "t")
+            row["losses"] = runs[0]["losses"]
+        else:
+            row["temp_bytes"] = runs[0]["temp_bytes"]
+        row["runs"] = runs
+        rows.append(row)
+    for row in rows:
+        base = next((r for r in rows if r["setting"] == row["setting"] and r["variant"] == "jit"), None)
+        if base is None:
+            continue
+        for key in ("build_s", "first_s", "steady_s", "to_first_s", "one_off_s", "compile_s", "total_s"):
+            if key in row and base.get(key):
+                row[key[:-2] + "_vs_jit"] = row[key] / base[key]
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = []
+    cpu = [r for r in rows if r["kind"] == "cpu"]
+    if cpu:
+        out += ["8 virtual CPU devices (data parallel), nnx GPT, optax.adamw; seconds, median of "
+                f"{cpu[0]['repeats']} fresh processes; ratio to jit in brackets", "",
+                "| model | params | variant | build | first step | build + first step | steady step | build + first - steady |",
+                "|---|---:|---|---:|---:|---:|---:|---:|"]
+        for r in cpu:
+            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r and r["variant"] != "jit" else ""  # noqa: E731
+            out.append(f"| {r['setting']} | {r['params'] / 1e6:.2f}M | {r['variant']} | {r['build_s']:.2f}"
+                       f"{ratio('build_vs_jit')} | {r['first_s']:.2f}{ratio('first_vs_jit')} | "
+                       f"{r['to_first_s']:.2f}{ratio('to_first_vs_jit')} | {r['steady_s']:.2f}"
+                       f"{ratio('steady_vs_jit')} | {r['one_off_s']:.2f}{ratio('one_off_vs_jit')} |")
+    gpu = [r for r in rows if r["kind"] == "gpu"]
+    if gpu:
+        out += ["", "Compile-only 8xH100 (XLA's GPU compiler on 2 CPU cores), gradient + AdamW step; seconds; "
+                "ratio to jit in brackets", "",
+                "| model | params | variant | build | lower | compile | total |", "|---|---:|---|---:|---:|---:|---:|"]
+        for r in gpu:
+            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r and r["variant"] != "jit" else ""  # noqa: E731
+            out.append(f"| {r['setting']} | {r['params'] / 1e9:.2f}B | {r['variant']} | {r['build_s']:.2f} | "
+                       f"{r['lower_s']:.2f} | {r['compile_s']:.1f}{ratio('compile_vs_jit')} | "
+                       f"{r['total_s']:.1f}{ratio('total_vs_jit')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=("cpu", "gpu"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="jd", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="gpt-8m", help=argparse.SUPPRESS)
+    p.add_argument("--models", default="gpt-8m,gpt-132k", help=f"CPU models, of {', '.join(CPU_MODELS)} ('' skips)")
+    p.add_argument("--steps", type=int, default=10, help="steady steps timed after the first")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per CPU measurement")
+    p.add_argument("--gpu-layers", default=str(GPU_LAYERS),
+                   help="layers of the 8B-shaped model for the GPU compile, comma-separated (0 skips)")
+    p.add_argument("--gpu-variants", default="jit,jd", help="jit, jit_fsdp, jd")
+    p.add_argument("--gpu-repeats", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=1, help="GPU: sequences per device")
+    p.add_argument("--baseline-tree", help="another jax_drain checkout, measured as jd@<label> beside jd")
+    p.add_argument("--baseline-label", help="its label (default: its git commit)")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", metavar="DIR", help="write first_step.json and first_step.md there")
+    p.add_argument("--from-json", metavar="FILE", help="re-render a first_step.json (to --out), measure nothing")
+    args = p.parse_args(argv)
+
+    if args.from_json:
+        saved = json.loads(pathlib.Path(args.from_json).read_text())
+        return write(saved["rows"], saved["meta"], args.out)
+
+    if args.worker == "cpu":
+        print(json.dumps(cpu_worker(args.variant, args.model, args.steps)))
+        return 0
+    if args.worker == "gpu":
+        print(json.dumps(gpu_worker(args.variant, int(args.gpu_layers), args.micro_batch)))
+        return 0
+
+    jd_variants = [("jd", None)]
+    if args.baseline_tree:
+        tree = str(pathlib.Path(args.baseline_tree).resolve())
+        jd_variants.insert(0, (f"jd@{args.baseline_label or _commit(tree)}", tree))
+    jobs: list[tuple[Job, int]] = []
+    for model in filter(None, args.models.split(",")):
+        for variant, tree in [("jit", None), *jd_variants]:
+            job = Job("cpu", variant, model, ("--model", model, "--steps", str(args.steps)), tree)
+            jobs.append((job, args.repeats))
+    for layers in (int(n) for n in args.gpu_layers.split(",") if int(n) > 0):
+        for name in args.gpu_variants.split(","):
+            for variant, tree in ([(name, None)] if name != "jd" else jd_variants):
+                job = Job("gpu", variant, f"8B-like/{layers}L",
+                          ("--gpu-layers", str(layers), "--micro-batch", str(args.micro_batch)), tree)
+                jobs.append((job, args.gpu_repeats))
+
+    results: dict[Job, list[dict[str, Any]]] = {job: [] for job, _ in jobs}
+    for round_ in range(max(n for _, n in jobs)):  # interleaved: noise hits every variant alike
+        for job, repeats in jobs:
+            if round_ < repeats:
+                result = run_job(job, args.timeout)
+                results[job].append(result)
+                print(f"  {job.setting} {job.variant}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in result.items() if k.endswith("_s")), file=sys.stderr, flush=True)
+    rows = summarize(results)
+    meta = {"command": "python benchmarks/first_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": _commit(None), "cpus": os.cpu_count(), "gpu_model": GPU_MODEL, "cpu_models": CPU_MODELS,
+            "bucket_size": BUCKET_SIZE}
+    return write(rows, meta, args.out)
+
+
+def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: str | None) -> int:
+    """Prints the table; with ``out``, writes it (first_step.md) and the rows (first_step.json) there."""
+    text = table(rows)
+    print(text)
+    if out:
+        path = pathlib.Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "first_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (path / "first_step.md").write_text(
+            f"# Time to first result (`{meta['command']}`, jax_drain {meta['commit']})\n\n{text}\n\n{NOTES}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
