@@ -1077,6 +1077,16 @@ class _AxisContext:
                 f"must agree: give the model axis_name={axes!r}, or name the mesh's data axis {missing[0]!r} "
                 f"and build the step with TrainConfig(axis={missing[0]!r})"
             ) from e
+        except ValueError as e:
+            if not self.auto_axes or not _raised_in(e, "with_sharding_constraint"):
+                raise
+            raise ValueError(
+                f"the loss constrains a sharding over the data axes {self.data_axes}, which "
+                "tensor_parallel='gspmd' makes manual (the step reduces the gradients over them itself): "
+                f"a constraint inside the loss may name only the axes left to XLA, {self.auto_axes}. Drop the "
+                "data axes from the constraint's spec (e.g. P(None, None, 'model') for P(('data', 'fsdp'), None, "
+                "'model')), or apply it only outside the step"
+            ) from e
 
     def unbound_axes(self, error: BaseException) -> tuple[str, ...]:
         """The axis names that the collective ``error`` was raised in was called with and the
@@ -1098,6 +1108,16 @@ class _AxisContext:
                         names_seen.append(name)
             tb = tb.tb_next
         return tuple(names_seen)
+
+
+def _raised_in(error: BaseException, function: str) -> bool:
+    """Whether ``error`` passed through a function named ``function`` (any module)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 #: Where ``jax.lax.psum``, ``pmean``, ``all_gather``, ``axis_index`` ... are defined: their

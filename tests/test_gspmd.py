@@ -265,6 +265,29 @@ def test_declared_shardings_over_a_missing_or_data_axis_are_refused_with_their_p
         declared_specs(abstract, replica_model, data_axes=("replica",))
 
 
+
+def test_activation_constraints_name_only_the_axes_left_to_xla(cpu_devices):
+    """GSPMD code constrains activations (MaxText, EasyLM): over the model axis that is XLA's to
+    keep; over a data axis, which the step makes manual, it is refused saying what to write."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, batch = _placed(_params(np.random.default_rng(0)), mesh), _batches(1, 1)[0]
+
+    def constrained(spec):
+        def loss(p, b):
+            h = jax.lax.with_sharding_constraint(b["x"] @ p["blocks"][0]["w_in"], spec)
+            return jnp.mean((h @ p["blocks"][0]["w_out"] @ p["head"] - b["y"]) ** 2)
+        return loss
+
+    step = jd.make_train_step(params, constrained(P(None, "model")), _tx(), mesh, jd.TrainConfig(),
+                              example_batch=batch)
+    state, metrics = step(step.init(), batch)
+    assert step.tensor_parallel == "gspmd" and np.isfinite(float(metrics.loss))
+    with pytest.raises(ValueError, match=r"constrains a sharding over the data axes \('data',\).* only the axes "
+                                         r"left to XLA, \('model',\)") as error:
+        jd.make_train_step(params, constrained(P("data", "model")), _tx(), mesh, jd.TrainConfig(),
+                           example_batch=batch)
+    assert "Auto axes" in str(error.value.__cause__)  # JAX's own error, chained
+
 # -- nnx metadata, linen logical rules --------------------------------------------------------------
 
 
