@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -329,6 +330,26 @@ class StepMetrics(NamedTuple):
     nonfinite_buckets: jax.Array
 
 
+def _own_mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """``mesh`` as the context mesh, where the caller's is another one (e.g. ``jax.set_mesh`` of
+    the ``Explicit`` mesh of which the step runs an ``Auto`` copy): jax refuses a ``shard_map``
+    or a sharding whose mesh is not the context's."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or context == mesh.abstract_mesh:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
+
+
+def _on_own_mesh(method: Callable) -> Callable:
+    """A :class:`TrainStep` method run with the step's mesh as the context mesh."""
+    @functools.wraps(method)
+    def wrapped(self: "TrainStep", *args: Any, **kwargs: Any) -> Any:
+        with _own_mesh_context(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class TrainStep:
     """The jitted step built by :func:`make_train_step`; call it as ``step(state, batch)``.
 
@@ -386,7 +407,8 @@ class TrainStep:
         self._jitted = None
         self._tx_check: _Background | None = None  # check_transform of tx, until the first step has run
         if example_batch is not None:
-            self._build(example_batch)
+            with _own_mesh_context(self.mesh):
+                self._build(example_batch)
 
     def __repr__(self) -> str:
         return f"TrainStep({self.config}, {self.sync!r}, {self.optimizer!r})"
@@ -403,6 +425,7 @@ class TrainStep:
         # A scanned stack accumulates its float32 shards, whatever the local accumulator's dtype.
         return jnp.float32 if self.scan_layers else self.config.accum_dtype
 
+    @_on_own_mesh
     def init(self, params: PyTree | nnx.Module | None = None) -> TrainState:
         """A fresh state: the model's current (or the given) params placed on the mesh by their
         specs, optimizer state sharded. The caller's arrays are copied, never donated. A linen
@@ -476,6 +499,7 @@ class TrainStep:
     def _init_error_feedback(self) -> ErrorFeedback | None:
         return init_error_feedback(self.sync) if self.config.error_feedback else None
 
+    @_on_own_mesh
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, StepMetrics]:
         """One optimizer step on a global ``batch``; returns ``(new_state, metrics)``.
 
@@ -493,6 +517,7 @@ class TrainStep:
         self._wait_tx_check()
         return self._jitted(state, batch)
 
+    @_on_own_mesh
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for arrays or ``jax.ShapeDtypeStruct``s (e.g. to inspect its HLO)."""
         with self._tx_explains():
@@ -508,6 +533,7 @@ class TrainStep:
         batch = self._check_batch(batch)
         return jax.device_put(batch, NamedSharding(self.mesh, self._batch_spec))
 
+    @_on_own_mesh
     def abstract_state(self) -> TrainState:
         """The state as ``jax.ShapeDtypeStruct``s with shardings (a checkpoint restore target)."""
         if self.optimizer is None:
@@ -533,6 +559,7 @@ class TrainStep:
             opt_state = self.optimizer.abstract_state()
         return TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=whole), model_state, feedback)
 
+    @_on_own_mesh
     def update_model(self, model: nnx.Module, state: TrainState) -> None:
         """Writes ``state``'s parameters and other model state (batch statistics, RNG counters)
         into the nnx ``model`` (in place), as copies: later steps, which donate the state, leave
@@ -556,6 +583,7 @@ class TrainStep:
             nnx.replace_by_pure_dict(other, jax.jit(_copy)(state.model_state[1]))
             nnx.update(model, other)
 
+    @_on_own_mesh
     def variables(self, state: TrainState) -> dict[str, PyTree]:
         """A linen step's trained variables as host arrays, for ``module.apply``: ``{"params":
         ..., **other collections}``, the params at master precision (:meth:`master_params`).
@@ -573,6 +601,7 @@ class TrainStep:
         params = self.master_params(state)
         return {"params": params, **jax.tree.map(np.asarray, jax.device_get(state.model_state))}
 
+    @_on_own_mesh
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
         the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""

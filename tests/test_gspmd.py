@@ -288,6 +288,27 @@ def test_activation_constraints_name_only_the_axes_left_to_xla(cpu_devices):
                            example_batch=batch)
     assert "Auto axes" in str(error.value.__cause__)  # JAX's own error, chained
 
+
+def test_steps_built_and_run_under_the_callers_explicit_context_mesh(cpu_devices):
+    """Code on jax's Explicit meshes runs everything under ``jax.set_mesh``; the step runs an Auto
+    copy of that mesh and trains there as it does outside any context, bit for bit."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, batches = _placed(_params(np.random.default_rng(0)), mesh), _batches(1, 2)
+
+    def run():
+        step = jd.make_train_step(params, gspmd_loss, _tx(), mesh, jd.TrainConfig(), example_batch=batches[0])
+        state = step.init()
+        for batch in batches:
+            state, metrics = step(state, batch)
+        return step, jax.device_get(state.params), float(metrics.loss)
+
+    _, want, want_loss = run()
+    with jax.set_mesh(mesh):
+        step, got, loss = run()
+        assert step.lower(step.abstract_state(), batches[0]) is not None
+    assert step.tensor_parallel == "gspmd" and loss == want_loss
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
 # -- nnx metadata, linen logical rules --------------------------------------------------------------
 
 
