@@ -61,9 +61,6 @@ class ErrorFeedback:
 def check_error_feedback(sync: "ChainedSync") -> None:
     """Raises unless error feedback means something for ``sync`` (its reduce mode and wire)."""
     mode = sync.reduce
-    if getattr(sync, "tensor_parallel", "manual") != "manual":
-        raise ValueError("error feedback is not supported with tensor_parallel='gspmd' yet: leave error_feedback "
-                         "off, or use tensor_parallel='manual' (a loss on local blocks)")
     if mode not in FEEDBACK_MODES:
         raise ValueError(
             f"error feedback needs a wire whose rounding happens on the sending device; reduce={mode!r} "

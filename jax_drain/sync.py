@@ -355,13 +355,15 @@ class GradSync(ChainedSync):
 
         With ``tensor_parallel="gspmd"`` it may also be called in the step's data-parallel region
         (:meth:`shard_map`) on gradients whole along the model axes: they enter
-        :meth:`manual_region` as their local blocks (no error feedback there yet).
+        :meth:`manual_region` as their local blocks, and so do the residuals.
         """
         if self.in_data_region():
-            if residuals is not None:
-                raise ValueError("error feedback is not supported with tensor_parallel='gspmd' yet")
             self.check_tree(grads, what="grads")
-            return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
+            if residuals is None:
+                return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
+            specs = self.pack_shards([chain.bucket_spec for chain, _ in self.flat_chains])
+            fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
+            return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, what="grads", local=True)
         self.check_varying(leaves)

@@ -262,8 +262,8 @@ class TrainConfig:
 
     def check_gspmd(self) -> None:
         """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
-        unsupported = [name for name, on in (("shard_params", self.shard_params), ("error_feedback", self.error_feedback),
-                                             ("expert", self.expert is not None), ("scan_layers", self.scan_layers is True))
+        unsupported = [name for name, on in (("shard_params", self.shard_params), ("expert", self.expert is not None),
+                                             ("scan_layers", self.scan_layers is True))
                        if on]
         if unsupported:
             raise ValueError(

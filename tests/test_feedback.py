@@ -270,7 +270,7 @@ def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
 # -- every mesh kind -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tensor_parallel", "replica_data_model", "expert_parallel", "scanned_outer"])
+@pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer"])
 def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     """int8 wire + error feedback on tensor-parallel, replica x data x model (micro-batches),
     expert-parallel and scanned (outer axis, micro-batches) meshes: the params stay within the

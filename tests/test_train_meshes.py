@@ -1,7 +1,8 @@
 """The whole train step on every mesh kind, against plain optax on one device.
 
-Each mesh kind (tensor parallel, ``("replica", "data", "model")``, expert parallel, a scanned stack
-with an outer axis) trains a small float32 model for several steps with AdamW + global-norm
+Each mesh kind (tensor parallel with the loss on local blocks and, ``"gspmd"``, on global shapes;
+``("replica", "data", "model")``; expert parallel; split leaves; a scanned stack with an outer
+axis, and one written for GSPMD on a tensor-parallel mesh) trains a small float32 model for several steps with AdamW + global-norm
 clipping + a decay mask through ``jd.make_train_step``; a single-device reference runs the same
 model on the whole batch with plain optax (``optax.clip_by_global_norm`` + ``optax.adamw(mask=)``).
 The clip threshold is below the gradient norm, so a norm that counts a tensor-parallel replica
@@ -140,6 +141,20 @@ CASES = {
                                  expert=lambda path: path.startswith("experts"),
                                  param_specs={**TP_SPECS, "w_in": None, "b_in": None, "w_out": None,
                                               "experts": P("expert")})),
+    "gspmd": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((4, 2), ("data", "model")),
+                  dict(param_specs=TP_SPECS, tensor_parallel="gspmd")),
+    "gspmd_split_leaves": Case(_dense_params, dense_reference_loss, dense_reference_loss,
+                               ((2, 2, 2), ("replica", "data", "model")),
+                               dict(outer_axis="replica", param_specs=TP_SPECS, tensor_parallel="gspmd",
+                                    split_leaves=True, microbatches=2)),
+    "tensor_parallel_split_leaves": Case(_dense_params, tp_loss, dense_reference_loss, ((4, 2), ("data", "model")),
+                                         dict(param_specs=TP_SPECS, split_leaves=True)),
+    # A scanned stack written for GSPMD: its gradients reduced after the backward (split into
+    # several buckets), each layer's weight split over "model".
+    "gspmd_scanned": Case(_scan_params, scan_loss, scan_loss, ((4, 2), ("data", "model")),
+                          dict(tensor_parallel="gspmd", split_leaves=True,
+                               param_specs={"embed": None, "head": None,
+                                            "blocks": {"w": P(None, None, "model"), "norm": None}})),
     "scanned_outer": Case(_scan_params, scan_loss, scan_loss, ((2, 4), ("replica", "data")),
                           dict(outer_axis="replica", scan_layers=True, microbatches=2)),
 }
