@@ -39,8 +39,14 @@ iteration, so neither the gathered stack nor the stacked gradient is ever formed
 leaves (embeddings, final norm) are gathered once, before the loss.
 
 Supported: data-parallel axes (``axis``, several axes) and ``outer_axis`` (HSDP: shards are
-replicated along it, the gradient shard is all-reduced over it as usual). Tensor-parallel
-``param_specs`` and expert chains are refused.
+replicated along it, the gradient shard is all-reduced over it as usual), and tensor parallel by
+XLA (``tensor_parallel="gspmd"``): called in the step's data-parallel region, each gather and
+its backward run on local blocks in the sync's nested region manual over the model axes
+(:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`), so every device holds its shard of its
+own model blocks, a bucket is gathered over the data axes only, and the loss reads the pieces
+as model-sharded global arrays; no weight is gathered over a model axis. Hand-written
+(``"manual"``) tensor-parallel ``param_specs``, expert chains and, with ``"gspmd"``,
+tensor-parallel leaves split over buckets are refused.
 
 ``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
 parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of

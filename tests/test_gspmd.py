@@ -588,6 +588,18 @@ def test_no_weight_is_gathered_over_the_model_axis_on_the_gpu_compiler():
     assert compiled.memory_analysis().temp_size_in_bytes <= manual.memory_analysis().temp_size_in_bytes
 
 
+def test_shard_params_refuses_what_it_cannot_shard(cpu_devices):
+    """Hand-written tensor parallel (param_specs without gspmd) and a model-sharded leaf split over
+    buckets (it could not leave the nested region as its parameter) are refused, saying what to use."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, (batch,) = _params(np.random.default_rng(0)), _batches(1, 1)
+    with pytest.raises(ValueError, match="hand-written tensor-parallel param_specs"):
+        jd.TrainConfig(param_specs=SPECS, shard_params=True)
+    with pytest.raises(ValueError, match=r"\['blocks/0/w_in'.* split over buckets .* use split_leaves=False"):
+        jd.make_train_step(_placed(params, mesh), gspmd_loss, _tx(), mesh,
+                           jd.TrainConfig(bucket_size=60, shard_params=True, split_leaves=True), example_batch=batch)
+
+
 @pytest.mark.gpu_compile
 def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler():
     """ZeRO-3 with gspmd on compile-only 8xH100 (data=4, model=2), remat blocks: every parameter
