@@ -143,8 +143,11 @@ class BucketChain:
     @property
     def bucket_spec(self) -> PartitionSpec:
         """``PartitionSpec`` of per-device whole buckets (error-feedback residuals) outside
-        ``shard_map``: split over :attr:`bucket_axes`."""
+        ``shard_map``: split over :attr:`bucket_axes` (the data axes first with :attr:`data_major`,
+        as :attr:`shard_spec`: the data-parallel region sees one contiguous piece)."""
         axes = self.bucket_axes
+        if self.data_major:
+            axes = tuple(a for a in axes if a not in self.spec_axes) + self.spec_axes
         entry = axes[0] if len(axes) == 1 else (axes or None)
         return PartitionSpec(entry) if self.num_layers is None else PartitionSpec(None, entry)
 
@@ -500,6 +503,27 @@ class ChainedSync:
         _, inner_out = split_specs(out_specs, self.manual_axes)
         return _compat.shard_map(f, in_specs=inner_in, out_specs=inner_out, axis_names=frozenset(self.auto_axes))
 
+    def on_local_blocks(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        """``f``, which runs on local blocks, callable from where the caller is: through
+        :meth:`manual_region` from the ``"gspmd"`` step's data-parallel region (the specs are the
+        global arrays' own), ``f`` itself where every mesh axis is manual already."""
+        return self.manual_region(f, in_specs, out_specs) if self.in_data_region() else f
+
+    def region_shape(self, shape: Sequence[int], spec: PartitionSpec) -> tuple[int, ...]:
+        """The per-device shape, inside the step's :meth:`shard_map`, of a global array of
+        ``shape`` split by ``spec``: split along :attr:`manual_axes` only; whole along
+        :attr:`auto_axes` (``"gspmd"``), where XLA shards it."""
+        manual = set(self.manual_axes)
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        return tuple(
+            d // math.prod(int(self.mesh.shape[a]) for a in ((e,) if isinstance(e, str) else (e or ())) if a in manual)
+            for d, e in zip(shape, entries))
+
+    def region_shard_shape(self, chain: BucketChain, k: int) -> tuple[int, ...]:
+        """Shape of ``chain``'s shard of bucket ``k`` inside the step's :meth:`shard_map`: this
+        device's shard, or with ``"gspmd"`` every model rank's shard of this data rank's."""
+        return self.region_shape(chain.global_shard_shape(k), chain.shard_spec)
+
     def in_data_region(self) -> bool:
         """Whether this runs in the ``"gspmd"`` step's data-parallel region: the data axes bound
         (manual), the others not (automatic); then :meth:`manual_region` leads to local blocks."""
@@ -834,7 +858,7 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
     args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
     # The carry has the loop outputs' type: the loss varies along every data axis, a shard along
     # its chain's axes (the outer all-reduce makes it equal along the outer axes).
-    zeros = [_compat.mark_varying(jnp.zeros(chain.shard_shape(b), jnp.float32), chain.axes)
+    zeros = [_compat.mark_varying(jnp.zeros(sync.region_shard_shape(chain, b), jnp.float32), chain.axes)
              for chain, b in sync.flat_chains]
     scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes)
     weighted: list[bool] = []  # filled while the loop body is traced

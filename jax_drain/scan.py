@@ -699,7 +699,7 @@ class _ScanRewriter:
             others_layer, rows_layer, dummies_layer = x
             rest = iter(others_layer)
             xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
-            outs = zero3.replay_gathered(body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
+            outs = zero3.replay_gathered(sync, body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
                                          dummies_layer, depth=self.gather_depth, reshard=self.reshard, mode=sync.reduce,
                                          divisor=sync._divisor)
             return list(outs[:num_carry]), list(outs[num_carry:])

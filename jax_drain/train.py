@@ -173,9 +173,11 @@ class TrainConfig:
             :class:`~jax_drain.zero3.ParamShards`), and the forward gathers each bucket just
             before its first use, at most ``gather_max_in_flight`` ahead (as the optimizer
             resolves it: ``"sync"`` is the drain depth; ``None`` leaves the gathers unfenced); a
-            scanned stack gathers each layer inside the scan body. Data axes and ``outer_axis``
-            only: refused with ``param_specs``, expert params or error feedback. Gradients
-            equal ZeRO-1's.
+            scanned stack gathers each layer inside the scan body. Over the data axes and
+            ``outer_axis``; with ``tensor_parallel="gspmd"`` each device holds its shard of its own
+            model blocks (1/(data x model) of the parameters), gathered over the data axes only.
+            Refused with hand-written (``"manual"``) tensor parallel, expert params or error
+            feedback. Gradients equal ZeRO-1's.
         reshard_after_forward: with ``shard_params``, gather each bucket again in backward inside
             the model's remat (``jax.checkpoint``) regions instead of keeping it from forward.
         error_feedback: keep each device's wire rounding error and add it to its next gradient
@@ -243,9 +245,11 @@ class TrainConfig:
         if self.scan_layers is True:
             self.check_scannable()
         if self.shard_params:
-            if self.param_specs is not None or self.expert is not None:
-                raise ValueError("shard_params=True shards parameters over the data axes only; tensor-parallel "
-                                 "param_specs and expert params are not supported with it yet: use shard_params=False")
+            if (self.param_specs is not None and self.tensor_parallel != "gspmd") or self.expert is not None:
+                raise ValueError("shard_params=True shards parameters over the data axes (and, with "
+                                 "tensor_parallel='gspmd', each model rank's blocks); hand-written tensor-parallel "
+                                 "param_specs and expert params are not supported with it yet: use "
+                                 "tensor_parallel='gspmd' or shard_params=False")
             if self.error_feedback:
                 raise ValueError("shard_params=True does not support error_feedback yet: use one of them")
         if self.tensor_parallel is not None:
@@ -262,8 +266,7 @@ class TrainConfig:
 
     def check_gspmd(self) -> None:
         """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
-        unsupported = [name for name, on in (("shard_params", self.shard_params), ("expert", self.expert is not None),
-                                             ("scan_layers", self.scan_layers is True))
+        unsupported = [name for name, on in (("expert", self.expert is not None), ("scan_layers", self.scan_layers is True))
                        if on]
         if unsupported:
             raise ValueError(

@@ -39,8 +39,14 @@ iteration, so neither the gathered stack nor the stacked gradient is ever formed
 leaves (embeddings, final norm) are gathered once, before the loss.
 
 Supported: data-parallel axes (``axis``, several axes) and ``outer_axis`` (HSDP: shards are
-replicated along it, the gradient shard is all-reduced over it as usual). Tensor-parallel
-``param_specs`` and expert chains are refused.
+replicated along it, the gradient shard is all-reduced over it as usual), and tensor parallel by
+XLA (``tensor_parallel="gspmd"``): called in the step's data-parallel region, each gather and
+its backward run on local blocks in the sync's nested region manual over the model axes
+(:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`), so every device holds its shard of its
+own model blocks, a bucket is gathered over the data axes only, and the loss reads the pieces
+as model-sharded global arrays; no weight is gathered over a model axis. Hand-written
+(``"manual"``) tensor-parallel ``param_specs``, expert chains and, with ``"gspmd"``,
+tensor-parallel leaves split over buckets are refused.
 
 ``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
 parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of
@@ -86,19 +92,33 @@ PyTree = Any
 
 
 def check_shardable(sync: ChainedSync) -> None:
-    """Raises unless ``sync``'s parameters can be sharded like its gradients (ZeRO-3)."""
+    """Raises unless ``sync``'s parameters can be sharded like its gradients (ZeRO-3): over the
+    data axes, and with ``tensor_parallel="gspmd"`` each model rank's own blocks."""
+    gspmd = sync.tensor_parallel == "gspmd"
     for chain in sync.chains:
-        if chain.spec_axes or chain.name == "expert":
+        if chain.name == "expert" or (chain.spec_axes and not gspmd):
             raise ValueError(
-                "shard_params=True shards parameters over the data axes only; tensor-parallel "
-                "param_specs and expert parameters are not supported with it yet. Use "
-                "shard_params=False (ZeRO-1/2) on such a mesh"
+                "shard_params=True shards parameters over the data axes (and, with tensor_parallel='gspmd', "
+                "each model rank's blocks); hand-written (manual) tensor-parallel param_specs and expert "
+                "parameters are not supported with it yet. Use tensor_parallel='gspmd' (a loss on global "
+                "shapes) or shard_params=False (ZeRO-1/2) on such a mesh"
+            )
+        # A gathered piece leaves the nested region as its parameter's global array: a whole leaf.
+        split = [chain.layout.slots[p.leaf].path for b in chain.layout.buckets for p in b.pieces
+                 if p.size != chain.layout.slots[p.leaf].size and sync.placements[chain.leaves[p.leaf]].spec_axes]
+        if split:
+            raise ValueError(
+                f"shard_params=True with tensor_parallel='gspmd' gathers whole tensor-parallel leaves; "
+                f"{sorted(set(split))[:4]} are split over buckets (split_leaves=True): use split_leaves=False"
             )
 
 
 def shard_params(sync: ChainedSync, params: PyTree) -> Any:
     """This device's slice of every parameter bucket in the parameters' dtype (the sync's
-    output type, laid out like its gradient shards); call inside ``shard_map``."""
+    output type, laid out like its gradient shards); call inside ``shard_map`` (with
+    ``tensor_parallel="gspmd"`` also in the step's data-parallel region, on whole parameters)."""
+    if sync.in_data_region():
+        return sync.manual_region(lambda p: shard_params(sync, p), (sync.param_specs,), sync.shard_specs())(params)
     sync.require_inside_shard_map("zero3.shard_params")
     check_shardable(sync)
     leaves = sync.check_tree(params, "params", local=True)
@@ -146,7 +166,7 @@ def value_and_grad(
     gather_max_in_flight = check_max_in_flight(gather_max_in_flight)
 
     def wrapped(param_shards: Any, *args: Any, **kwargs: Any):
-        sync.require_inside_shard_map("zero3.value_and_grad")
+        sync.require_inside_shard_map("zero3.value_and_grad", data_region=bool(sync.auto_axes))
         shards = _check_shards(sync, param_shards)
         state, args = (args[0], args[1:]) if has_state else (None, args)
 
@@ -171,7 +191,7 @@ def value_and_grad(
 
 def _check_shards(sync: ChainedSync, param_shards: Any) -> list[jax.Array]:
     shards = list(sync.flat_shards(param_shards))
-    want = [(chain.shard_shape(k), chain.layout.buckets[k].dtype) for chain, k in sync.flat_chains]
+    want = [(sync.region_shard_shape(chain, k), chain.layout.buckets[k].dtype) for chain, k in sync.flat_chains]
     got = [(tuple(s.shape), jnp.dtype(s.dtype)) for s in shards]
     if got != [(tuple(s), jnp.dtype(d)) for s, d in want]:
         raise ValueError(f"param shards are {got}, expected {want} per device: pass zero3.shard_params(sync, params)")
@@ -185,10 +205,11 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     shards)``."""
     depth, reshard = gather_max_in_flight, reshard_after_forward
     flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
-    # Traced on values typed like the gathered leaves (varying along the data axes), so the
-    # replay binds the same casts; the zeros themselves are dead code.
+    # Traced on values typed like the gathered leaves (varying along the data axes; the shapes
+    # the loss sees: local blocks, or global along gspmd's automatic axes), so the replay binds
+    # the same casts; the zeros themselves are dead code.
     local = jax.tree.leaves(sync.local_params(jax.tree.unflatten(
-        sync.treedef, [jnp.zeros(pl.local_shape, pl.dtype) for pl in sync.placements])))
+        sync.treedef, [jnp.zeros(sync.region_shape(pl.global_shape, pl.spec), pl.dtype) for pl in sync.placements])))
 
     def flat_loss(*flat):
         params = jax.tree.unflatten(sync.treedef, flat[:len(local)])
@@ -197,53 +218,81 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
 
     closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*local, *flat_args)
     out_tree = jax.tree.structure(out_shape)
-    # One bucket-shaped zero per bucket: the gathers' backward rules return each bucket's local
-    # gradient as its cotangent (XLA drops the zeros: nothing reads them).
-    dummies = [_compat.mark_varying(jnp.zeros(chain.bucket_shape(k), chain.layout.buckets[k].dtype),
+    # One bucket-shaped zero per bucket (every model rank's, with gspmd): the gathers' backward
+    # rules return each bucket's local gradient as its cotangent (XLA drops the zeros: nothing reads them).
+    dummies = [_compat.mark_varying(jnp.zeros(sync.region_shape(chain.global_bucket_shape(k, sync.mesh),
+                                                                chain.bucket_spec), chain.layout.buckets[k].dtype),
                                     chain.axes + chain.outer_axes) for chain, k in sync.flat_chains]
 
     divisor = sync.data_size if sync.average else 1
 
     def differentiable(dummies):
         refs = [ParamRef(i) for i in range(len(local))]
-        outs = replay_gathered(closed.jaxpr, closed.consts, [*refs, *flat_args], sync.flat_chains, shards, dummies,
-                               depth=depth, reshard=reshard, mode=sync.reduce, divisor=divisor)
+        outs = replay_gathered(sync, closed.jaxpr, closed.consts, [*refs, *flat_args], sync.flat_chains, shards,
+                               dummies, depth=depth, reshard=reshard, mode=sync.reduce, divisor=divisor)
         step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
         return step.total, step
 
     (_, step), buckets = jax.value_and_grad(differentiable, has_aux=True)(dummies)
     check_state_replicated(state, step.state, sync.data_axes)
-    shards = [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))
-              for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
-                                                max_in_flight=sync.max_in_flight)]
-    return step, shards
+
+    def reduce(buckets: list) -> list:
+        return [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))
+                for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
+                                                  max_in_flight=sync.max_in_flight)]
+
+    refs = sync.flat_chains
+    shards = sync.on_local_blocks(reduce, ([c.bucket_spec for c, _ in refs],), [c.shard_spec for c, _ in refs])(
+        list(buckets))
+    return step, list(shards)
 
 
-def _make_gather(chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
+def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
     """``gather(shard, dummy, fence) -> pieces`` for bucket ``k`` of ``chain``: forward, the
     all-gather of ``shard`` (fenced behind ``fence``) cut into the bucket's pieces (a whole leaf
     in its shape, a split leaf's piece flat; typed as varying along the data axes so ``jax.grad``
     gives local gradients); backward, the pieces' gradient laid back into the whole bucket, as
     ``dummy``'s cotangent. For a layer chain (inside a scan body; ``shard`` is one layer's row)
     the backward reduce-scatters the bucket there and then (mode ``mode``, divided by
-    ``divisor``) and the cotangent is the float32 shard: the stacked gradient is never formed."""
+    ``divisor``) and the cotangent is the float32 shard: the stacked gradient is never formed.
+
+    Called from the ``"gspmd"`` step's data-parallel region, both directions run on local blocks
+    in the sync's nested region (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`): the shard
+    enters as this device's, the gather is over the data axes only, and each piece leaves as its
+    parameter's global array, sharded over the model axes like it (a model rank never sees
+    another's block); backward, the pieces' gradients enter as their blocks."""
     bucket = chain.layout.buckets[k]
     in_loop = chain.num_layers is not None
     local_axes = chain.axes + chain.outer_axes
     scope = f"{GATHER_SCOPE}{chain.scope.removeprefix(SCOPE_PREFIX)}/bucket{k}"
+    placements = [sync.placements[chain.leaves[p.leaf]] for p in bucket.pieces]
+    piece_specs = tuple(pl.spec for pl in placements)
+    # A leaf replicated along some of the chain's model axes is equal on every rank there; its
+    # piece is made invariant along them (a pmax of equal values: exact) to leave as that leaf.
+    replicated = [tuple(a for a in chain.spec_axes if a not in pl.spec_axes) for pl in placements]
 
-    def forward(shard, fence):
-        if fence is not None:
-            _, shard = jax.lax.optimization_barrier((fence, shard))
+    def gather_pieces(shard):
         with jax.named_scope(scope):
             whole = (all_gather_bucket(shard, chain.reduce_axis, dtype=bucket.dtype) if in_loop
                      else chain.gather(k, shard))
         out = []
-        for p in bucket.pieces:
+        for p, axes in zip(bucket.pieces, replicated):
             piece = _compat.mark_varying(whole[p.offset:p.offset + p.size], local_axes)
             slot = chain.layout.slots[p.leaf]
-            out.append(piece.reshape(slot.shape) if p.size == slot.size else piece)
+            piece = piece.reshape(slot.shape) if p.size == slot.size else piece
+            out.append(jax.lax.pmax(piece, axes) if axes else piece)
         return tuple(out)
+
+    def lay_back(pieces):
+        parts = [p.reshape(-1).astype(bucket.dtype) for p in pieces]
+        if bucket.padding:
+            parts.append(jnp.zeros((bucket.padding,), bucket.dtype))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def forward(shard, fence):
+        if fence is not None:
+            _, shard = jax.lax.optimization_barrier((fence, shard))
+        return sync.on_local_blocks(gather_pieces, (chain.shard_spec,), piece_specs)(shard)
 
     @jax.custom_vjp
     def gather(shard, dummy, fence):
@@ -253,14 +302,10 @@ def _make_gather(chain: BucketChain, k: int, *, mode: str, divisor: int) -> Call
         return forward(shard, fence), None
 
     def bwd(_, pieces):
-        parts = [p.reshape(-1).astype(bucket.dtype) for p in pieces]
-        if bucket.padding:
-            parts.append(jnp.zeros((bucket.padding,), bucket.dtype))
-        whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         if in_loop:
             with jax.named_scope(chain.bucket_scope(k)):
-                return None, chain.reduce_bucket(whole, k, mode=mode, divisor=divisor), None
-        return None, whole, None
+                return None, chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor), None
+        return None, sync.on_local_blocks(lay_back, (piece_specs,), chain.bucket_spec)(tuple(pieces)), None
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -274,14 +319,14 @@ class ParamRef:
         self.index = index
 
 
-def replay_gathered(jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any], refs: Sequence[tuple[BucketChain, int]],
-                    shards: Sequence[jax.Array], dummies: Sequence[jax.Array], *, depth: int, reshard: bool,
-                    mode: str, divisor: int) -> list:
+def replay_gathered(sync: ChainedSync, jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any],
+                    refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array], dummies: Sequence[jax.Array],
+                    *, depth: int, reshard: bool, mode: str, divisor: int) -> list:
     """Evaluates ``jaxpr`` with each :class:`ParamRef` input gathered from its bucket at its
-    first use (inside the remat regions it is read in, with ``reshard``): bucket ``refs[b]``
-    from ``shards[b]``, its gradient leaving as ``dummies[b]``'s cotangent. The one replay an
-    unrolled model's loss and a scanned model's layer body share."""
-    replay = _GatherReplay(refs, shards, dummies, depth=depth, reshard=reshard, mode=mode, divisor=divisor)
+    first use (inside the remat regions it is read in, with ``reshard``): bucket ``refs[b]`` of
+    ``sync``'s chains from ``shards[b]``, its gradient leaving as ``dummies[b]``'s cotangent. The
+    one replay an unrolled model's loss and a scanned model's layer body share."""
+    replay = _GatherReplay(sync, refs, shards, dummies, depth=depth, reshard=reshard, mode=mode, divisor=divisor)
     return replay.run(jaxpr, consts, invals)
 
 
@@ -295,11 +340,11 @@ class _GatherReplay:
     decides). The gather order and the first uses are shared across regions.
     """
 
-    def __init__(self, refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array],
+    def __init__(self, sync: ChainedSync, refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array],
                  dummies: Sequence[jax.Array], *, depth: int, reshard: bool, mode: str, divisor: int):
         self.refs, self.reshard = list(refs), reshard
         self.shards, self.dummies, self.depth = list(shards), list(dummies), depth
-        self.gathers = [_make_gather(chain, k, mode=mode, divisor=divisor) for chain, k in self.refs]
+        self.gathers = [_make_gather(sync, chain, k, mode=mode, divisor=divisor) for chain, k in self.refs]
         # Which of ``refs`` hold each parameter leaf (by its index in the full tree).
         self.leaf_buckets: dict[int, list[int]] = {}
         for b, (chain, k) in enumerate(self.refs):
@@ -327,11 +372,10 @@ class _GatherReplay:
             for p, value in zip(chain.layout.buckets[k].pieces, self._bucket(b)):
                 if p.leaf == j:
                     pieces.append((p.start, value))
-        shape = chain.layout.slots[j].shape
-        if len(pieces) == 1 and pieces[0][1].shape == shape:  # a whole leaf, shaped in the gather
+        if len(pieces) == 1:  # a whole leaf, shaped in the gather (global along gspmd's model axes)
             return pieces[0][1]
         pieces.sort(key=lambda item: item[0])
-        return jnp.concatenate([v for _, v in pieces]).reshape(shape)
+        return jnp.concatenate([v for _, v in pieces]).reshape(chain.layout.slots[j].shape)
 
     def _bucket(self, b: int) -> tuple[jax.Array, ...]:
         if b not in self.gathered:

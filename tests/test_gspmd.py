@@ -11,6 +11,8 @@ every model-sharded weight; on XLA's GPU compiler no weight is all-gathered over
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ import jax_drain as jd
 from helpers import (
     adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, reference_run, rounding_chain,
 )
+from jax_drain import zero3
 from jax_drain.chain import host_to_params
 from jax_drain.layout import leaf_paths
 from jax_drain.shardings import declared_specs
@@ -240,8 +243,8 @@ def test_the_mode_follows_where_the_shardings_come_from(cpu_devices):
 
     with pytest.raises(ValueError, match="collective over 'model', which tensor_parallel='gspmd' leaves to XLA"):
         jd.make_train_step(_placed(params, mesh), manual_loss, _tx(), mesh, jd.TrainConfig(), example_batch=batch)
-    with pytest.raises(ValueError, match="does not support shard_params"):
-        jd.TrainConfig(tensor_parallel="gspmd", shard_params=True)
+    with pytest.raises(ValueError, match="does not support expert"):
+        jd.TrainConfig(tensor_parallel="gspmd", expert=lambda path: path.startswith("experts"))
     with pytest.raises(ValueError, match="tensor_parallel must be 'manual'"):
         jd.TrainConfig(tensor_parallel="xla")
 
@@ -393,12 +396,145 @@ def test_linen_logical_partitioning_with_rules_trains_tensor_parallel(cpu_device
         jd.make_train_step(boxed, loss, _tx(), mesh, jd.TrainConfig(axis="data", outer_axis="replica"))
 
 
+# -- ZeRO-3: each device holds its shard of its own model blocks ------------------------------------
+
+TT, HEADS, HEAD_DIM, TF = 4, 4, 2, 16  # sequence, attention heads (split over model), head width, MLP hidden
+TBLOCK_SPECS = {"norm1": None, "wqkv": P(None, None, "model", None), "wo": P("model", None, None), "norm2": None,
+                "w_in": P(None, "model"), "w_out": P("model", None), "b_out": None}
+TSPECS = {"pos": None, "blocks": [TBLOCK_SPECS] * L, "head": None}
+
+
+def _transformer_params(rng):
+    n = lambda *s, scale=0.3: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
+    block = lambda: {"norm1": 1.0 + n(D, scale=0.1), "wqkv": n(D, 3, HEADS, HEAD_DIM), "wo": n(HEADS, HEAD_DIM, D),
+                     "norm2": 1.0 + n(D, scale=0.1), "w_in": n(D, TF), "w_out": n(TF, D), "b_out": n(D, scale=0.1)}
+    return {"pos": n(TT, D, scale=0.1), "blocks": [block() for _ in range(L)], "head": n(D, C)}
+
+
+def _rms_norm(h, scale):
+    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _transformer_block(q, h):
+    """Causal attention with its heads split over "model", then a column/row-parallel MLP;
+    global shapes, no collectives."""
+    qkv = jnp.einsum("btd,dshk->sbthk", _rms_norm(h, q["norm1"]), q["wqkv"])
+    causal = jnp.tril(jnp.ones((TT, TT), bool))
+    scores = jnp.where(causal, jnp.einsum("bthk,bshk->bhts", qkv[0], qkv[1]) / np.sqrt(HEAD_DIM), -1e9)
+    heads = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, axis=-1), qkv[2])
+    h = h + jnp.einsum("bthk,hkd->btd", heads, q["wo"])
+    return h + jax.nn.gelu(_rms_norm(h, q["norm2"]) @ q["w_in"]) @ q["w_out"] + q["b_out"]
+
+
+def transformer_loss(p, batch):
+    """A block stack as large models write it: each block under jax.checkpoint (remat)."""
+    h = batch["x"] + p["pos"]
+    for q in p["blocks"]:
+        h = jax.checkpoint(_transformer_block)(q, h)
+    return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+
+
+def _sequence_batches(seed, n):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(BATCH, TT, D)).astype(np.float32),
+             "y": rng.normal(size=(BATCH, TT, C)).astype(np.float32)} for _ in range(n)]
+
+
+def _shards_to_tree(step, params):
+    """A ZeRO-3 state's parameter shards (global arrays) as the parameter tree, on the host."""
+    by_path = host_to_params(step.sync.description, [np.asarray(s) for s in params.shards])
+    return jax.tree.unflatten(step.sync.treedef, [by_path[p] for p in leaf_paths(step.sync.abstract_params)])
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(cpu_devices):
+    """The transformer stack trained on (data=4, model=2) with shard_params=True and False: the
+    steps, their final states and losses."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, batches = _transformer_params(np.random.default_rng(0)), _sequence_batches(1, STEPS)
+    runs = {}
+    for shard_params in (True, False):
+        step = jd.make_train_step(_placed(params, mesh, TSPECS), transformer_loss, _tx(), mesh,
+                                  jd.TrainConfig(bucket_size=100, shard_params=shard_params), example_batch=batches[0])
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics.loss))
+        runs[shard_params] = (step, state, losses)
+    return params, batches, runs
+
+
+def _zero3_bounds(params, batches):
+    """The AdamW trajectory's rounding bounds for the transformer run: parameters per step, losses."""
+    _, want_losses, gradients = reference_run(transformer_loss, params, _reference_tx(), batches)
+    additions = _additions(transformer_loss, params, batches[0])
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=LR, params=params,
+                                  max_norm=MAX_NORM, weight_decay=WD)
+    return bounds, loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+
+
+def test_shard_params_trains_a_gspmd_transformer_like_optax(zero3_runs):
+    """ZeRO-3 on (data=4, model=2), a loss on global shapes with remat blocks: each bucket is
+    gathered over the data axes in the nested region and leaves it as model-sharded parameters;
+    the parameters it holds and the losses are one-device AdamW's (clipping, decay mask) to
+    the trajectory's rounding."""
+    params, batches, runs = zero3_runs
+    step, state, losses = runs[True]
+    assert step.tensor_parallel == "gspmd" and isinstance(state.params, zero3.ParamShards)
+    assert step.sync.num_buckets > 4  # several buckets, some spanning two remat blocks
+    want, want_losses, _ = reference_run(transformer_loss, params, _reference_tx(), batches)
+    bounds, loss_bounds = _zero3_bounds(params, batches)
+    assert_within(_shards_to_tree(step, jax.device_get(state.params)), want, bounds[-1],
+                  what=f"ZeRO-3 gspmd params after {STEPS} AdamW steps")
+    assert_within(step.master_params(state), want, bounds[-1], what="ZeRO-3 gspmd master params")
+    assert np.all(np.abs(np.asarray(losses) - want_losses) <= loss_bounds), (losses, want_losses, loss_bounds)
+    assert losses[-1] < losses[0]
+
+
+def test_shard_params_state_is_one_over_data_times_model_per_device(zero3_runs):
+    """Parameter, master and optimizer shards: every device holds 1/(data x model) of them (its
+    slice of its own model rank's buckets), never a weight whole along the model axis."""
+    params, _, runs = zero3_runs
+    step, state, _ = runs[True]
+    devices = step.sync.axis_size * step.mesh.shape["model"]
+    assert devices == 8
+    for x in (*state.params.shards, *state.opt_state.master,
+              *[leaf for leaf in jax.tree.leaves(state.opt_state.inner) if leaf.ndim]):
+        assert x.sharding.spec == P(("data", "model")), x.sharding
+        assert {s.data.shape for s in x.addressable_shards} == {(x.shape[0] // devices,)}
+    # All of them together: the parameters' local blocks once, over the data axis, plus padding.
+    held = sum(x.addressable_shards[0].data.size for x in state.params.shards)
+    whole = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    padding = sum(size - sum(p.size for p in b.pieces) for b, size in
+                  zip(step.sync.chains[0].layout.buckets, step.sync.bucket_sizes))
+    replicated = sum(int(np.prod(x.shape)) for x, spec in zip(jax.tree.leaves(params), _spec_leaves(TSPECS))
+                     if spec is None)
+    # Each model rank's buckets hold the replicated leaves too: (whole + replicated) / 8 with 2 ranks.
+    assert held * devices == (whole + replicated) + padding * step.mesh.shape["model"]
+
+
+def _spec_leaves(specs):
+    return jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, P))
+
+
+def test_shard_params_equals_the_gspmd_zero1_step(zero3_runs):
+    """ZeRO-3 and ZeRO-1 run the same float operations per bucket, the loss partitioned by XLA
+    in each: losses and master weights equal to the trajectory's rounding."""
+    params, batches, runs = zero3_runs
+    (step3, state3, losses3), (step1, state1, losses1) = runs[True], runs[False]
+    assert step3.optimizer.fingerprint == step1.optimizer.fingerprint  # the same buckets, the same shards
+    bounds, loss_bounds = _zero3_bounds(params, batches)
+    assert_within(np.asarray(losses3), np.asarray(losses1), loss_bounds, what="losses")
+    assert_within(step3.master_params(state3), step1.master_params(state1), bounds[-1], what="master params")
+
+
 # -- on XLA's GPU compiler: no weight gathered over the model axis ----------------------------------
 
 GD, GH, GL = 512, 2048, 2  # a bf16 stack big enough for XLA to treat like a real one
 
 
-def _gpu_step(tensor_parallel):
+@functools.lru_cache(maxsize=None)
+def _gpu_step(tensor_parallel, shard_params=False, remat=False):
     from jax_drain.planner.targets import gpu_mesh
     from jax_drain.planner.schedule import parse_schedule
 
@@ -410,14 +546,18 @@ def _gpu_step(tensor_parallel):
     params = {"blocks": [block] * GL, "head": jax.ShapeDtypeStruct((GD, GD), jnp.bfloat16)}
     batch = {"x": jax.ShapeDtypeStruct((8 * 256, GD), jnp.bfloat16), "y": jax.ShapeDtypeStruct((8 * 256, GD), jnp.float32)}
 
-    def loss(p, b):  # gspmd: global shapes; manual: local blocks and the psum it then needs
+    def block(q, h):  # gspmd: global shapes; manual: local blocks and the psum it then needs
+        z = jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"]
+        return h + jnp.tanh((jax.lax.psum(z, "model") if tensor_parallel == "manual" else z) + q["b_out"])
+
+    def loss(p, b):
         h = b["x"]
         for q in p["blocks"]:
-            z = jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"]
-            h = h + jnp.tanh((jax.lax.psum(z, "model") if tensor_parallel == "manual" else z) + q["b_out"])
+            h = (jax.checkpoint(block) if remat else block)(q, h)
         return jnp.mean(((h @ p["head"]).astype(jnp.float32) - b["y"]) ** 2)
 
     config = jd.TrainConfig(axis="data", bucket_size=GD * GH // 2, tensor_parallel=tensor_parallel,
+                            shard_params=shard_params,
                             param_specs=jax.tree.map(lambda x: x.sharding.spec if x.sharding else P(), params,
                                                      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))
     step = jd.make_train_step(params, loss, jd.adamw(1e-3, max_norm=1.0), mesh, config, example_batch=batch)
@@ -446,3 +586,51 @@ def test_no_weight_is_gathered_over_the_model_axis_on_the_gpu_compiler():
     summary = lambda s: sorted((c.kind, c.dtype, c.bytes, c.group_size) for c in s.collectives)
     assert summary(sched) == summary(manual_sched)
     assert compiled.memory_analysis().temp_size_in_bytes <= manual.memory_analysis().temp_size_in_bytes
+
+
+def test_shard_params_refuses_what_it_cannot_shard(cpu_devices):
+    """Hand-written tensor parallel (param_specs without gspmd) and a model-sharded leaf split over
+    buckets (it could not leave the nested region as its parameter) are refused, saying what to use."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, (batch,) = _params(np.random.default_rng(0)), _batches(1, 1)
+    with pytest.raises(ValueError, match="hand-written tensor-parallel param_specs"):
+        jd.TrainConfig(param_specs=SPECS, shard_params=True)
+    with pytest.raises(ValueError, match=r"\['blocks/0/w_in'.* split over buckets .* use split_leaves=False"):
+        jd.make_train_step(_placed(params, mesh), gspmd_loss, _tx(), mesh,
+                           jd.TrainConfig(bucket_size=60, shard_params=True, split_leaves=True), example_batch=batch)
+
+
+@pytest.mark.gpu_compile
+def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler():
+    """ZeRO-3 with gspmd on compile-only 8xH100 (data=4, model=2), remat blocks: every parameter
+    all-gather is over the data axis, of one model rank's local bucket, in forward and again in
+    each block's backward; over the model axis only all-reduces (activations, the replicated
+    leaves' pmax); each bucket's gradient is one bf16 all-to-all of its local blocks over data,
+    drained; the parameters are arguments at 1/(data x model)."""
+    step, compiled, sched = _gpu_step("gspmd", shard_params=True, remat=True)
+    data, model = 4, 2
+    sizes = step.sync.bucket_sizes
+    gathers = [c for c in sched.collectives if c.kind == "all-gather"]
+    assert gathers and all(c.group_size == data and c.in_scope("jax_drain/gather/bucket") for c in gathers)
+    # Each gather (XLA may combine two buckets' into one) brings this model rank's local buckets:
+    # one gathered over the model axis too would be `model` times larger.
+    count = [0] * len(sizes)
+    for c in gathers:
+        named = [k for k in range(len(sizes)) if c.in_scope(f"jax_drain/gather/bucket{k}/")]
+        assert c.bytes == 2 * sum(sizes[k] for k in named), (c.op_names, c.bytes)
+        for k in named:
+            count[k] += 1
+    assert min(count) >= 2, count  # in forward and again in its block's backward
+    assert {c.kind for c in sched.collectives if c.group_size == model} == {"all-reduce"}
+    assert not [c for c in sched.collectives if c.group_size == data * model and c.kind != "all-reduce"]
+    for k, size in enumerate(sizes):
+        (c,) = [c for c in sched.collectives if c.in_scope(f"jax_drain/bucket{k}/")]
+        assert (c.kind, c.dtype, c.group_size, c.bytes) == ("all-to-all", "bf16", data, 2 * size)
+    assert sched.max_in_flight(lambda c: c.in_scope("jax_drain/bucket")) == 1
+
+    # Against ZeRO-1 with gspmd: the arguments are smaller by the parameters' local blocks less
+    # this device's 1/data of them (bf16; the optimizer state and batch are the same).
+    _, zero1, _ = _gpu_step("gspmd", shard_params=False, remat=True)
+    blocks = 2 * sum(sum(p.size for p in b.pieces) for b in step.sync.chains[0].layout.buckets)
+    saved = zero1.memory_analysis().argument_size_in_bytes - compiled.memory_analysis().argument_size_in_bytes
+    assert saved == blocks - 2 * sum(sizes) // data
