@@ -604,3 +604,24 @@ def test_comparison_table_json_and_plot_without_compiling(tmp_path):
     json.dumps(json_rows)
     report.plot(str(tmp_path / "cmp.png"))
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu_compile
+def test_gspmd_mesh_step_plans_like_the_manual_one_above_its_floor():
+    """A tensor-parallel step written for GSPMD (global shapes, XLA's partitioning) plans to the
+    hand-written one's collectives and memory, drained to one bucket in flight; its no_comm
+    floor (benchmarks/seed_tp.py) has no gradient collective."""
+    mesh = gpu_mesh((2, 4, 2), ("replica", "data", "model"), topology="1x2x8")
+    reports = {}
+    for mode in ("manual", "gspmd"):
+        for reduce in ("no_comm", "fp32_accum"):
+            step, args, sync = plan.build_mesh_step(mesh, layers=4, d_model=256, reduce=reduce, tensor_parallel=mode)
+            reports[mode, reduce] = plan.plan(step, *args, topology="1x2x8", compiler_options=OVERLAP_4)
+    assert sync.tensor_parallel == "gspmd" and sync.num_buckets >= 2
+    kinds = lambda report: sorted((c.kind, c.dtype, c.bytes, c.group_size) for c in report.collectives)  # noqa: E731
+    manual, gspmd = reports["manual", "fp32_accum"], reports["gspmd", "fp32_accum"]
+    assert kinds(gspmd) == kinds(manual)
+    # The same buffers but for XLA's placement of a few small ones: never another bucket.
+    assert abs(gspmd.temp_bytes - manual.temp_bytes) < 4 * min(sync.bucket_sizes)
+    assert gspmd.buckets_in_flight == 1 and {c.kind for c in gspmd.collectives} == {"all-to-all", "all-reduce"}
+    assert not reports["manual", "no_comm"].collectives and not reports["gspmd", "no_comm"].collectives

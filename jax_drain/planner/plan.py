@@ -780,13 +780,16 @@ def mesh_block_specs(params: Any, model_axis: str = "model", expert_axis: str = 
     return {name: {k: tp[k] for k in layer} for name, layer in params.items()}
 
 
-def mesh_block_loss(p: Any, x: jax.Array, expert_axis: str | None = None, model_axis: str = "model") -> jax.Array:
+def mesh_block_loss(p: Any, x: jax.Array, expert_axis: str | None = None,
+                    model_axis: str | None = "model") -> jax.Array:
     """A residual stack of tensor-parallel MLP blocks, per device inside ``shard_map``.
 
     Each block: ``x -> tanh(norm(x) @ w_in) @ w_out`` with ``w_in`` column- and ``w_out``
     row-parallel, so one ``psum`` over ``model_axis`` per block (Megatron's MLP). With
-    ``expert_axis``: then tokens go to the ranks along it (all-to-all), through the local
-    expert (its hidden dimension split over ``model_axis``) and back.
+    ``model_axis=None`` the same stack on global shapes, written for GSPMD: no collectives, XLA
+    partitions it (``tensor_parallel="gspmd"``). With ``expert_axis``: then tokens go to the
+    ranks along it (all-to-all), through the local expert (its hidden dimension split over
+    ``model_axis``) and back.
 
     Example::
 
@@ -797,7 +800,8 @@ def mesh_block_loss(p: Any, x: jax.Array, expert_axis: str | None = None, model_
     for i in range(len(p)):
         q = p[f"layer{i}"]
         z = jnp.tanh((h * q["norm"]).astype(q["w_in"].dtype) @ q["w_in"])
-        h = h + jax.lax.psum(z @ q["w_out"], model_axis).astype(h.dtype)
+        y = z @ q["w_out"]
+        h = h + (jax.lax.psum(y, model_axis) if model_axis else y).astype(h.dtype)
         if expert_axis:
             n = _compat.axis_size(expert_axis)
             blocks = jax.lax.all_to_all(h.astype(q["experts"].dtype).reshape(n, -1, d), expert_axis, 0, 0, tiled=True)
@@ -819,6 +823,9 @@ def build_mesh_step(
     tokens_per_device: int = 64,
     outer_axis: str | None = "replica",
     model_axis: str = "model",
+    *,
+    tensor_parallel: str = "manual",
+    dtype: Any = jnp.bfloat16,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync]:
     """A jitted gradient step of :func:`mesh_block_loss` on a ``("replica", "data", "model")``
     mesh (with ``expert``: ``("replica", "data", "expert", "model")``): tensor parallel over
@@ -826,7 +833,11 @@ def build_mesh_step(
     ``outer_axis``), expert params in their own chain. Returns the step, its abstract inputs
     (params, batch) and its :class:`GradSync`, ready for :func:`plan`.
 
-    ``bucket_size`` (elements) defaults to one local ``w_in`` block per bucket.
+    ``tensor_parallel``: ``"manual"``, the loss on local blocks with its own ``psum``; or
+    ``"gspmd"``, the loss on global shapes, partitioned by XLA, the buckets reduced on local
+    blocks in the nested region (not with ``expert``). ``reduce="no_comm"``: the floor, the
+    same buckets each summed over its own chunks locally (drained), the sync's work minus
+    the wire. ``bucket_size`` (elements) defaults to one local ``w_in`` block per bucket.
 
     Example::
 
@@ -838,20 +849,57 @@ def build_mesh_step(
     if missing:
         raise ValueError(f"build_mesh_step needs mesh axes {missing} (the mesh has {mesh.axis_names}); "
                          "name them, e.g. gpu_mesh((2, 4, 2), ('replica', 'data', 'model'))")
-    params = mesh_block_params(layers, d_model, expert)
+    if expert and tensor_parallel == "gspmd":
+        raise ValueError("build_mesh_step: expert params are not supported with tensor_parallel='gspmd'")
+    params = mesh_block_params(layers, d_model, expert, dtype=dtype)
     if bucket_size is None:
         bucket_size = 4 * d_model * d_model // mesh.shape[model_axis]
     chains = dict(axis=("data", "expert"), expert=lambda path: path.endswith("experts"),
                   expert_axis="data") if expert else {}
-    sync = GradSync(params, mesh, bucket_size=bucket_size, reduce=reduce, drain=drain, max_in_flight=max_in_flight,
-                    outer_axis=outer_axis, param_specs=mesh_block_specs(params, model_axis), **chains)
-    loss = (lambda p, x: mesh_block_loss(p, x, "expert", model_axis)) if expert else \
-        (lambda p, x: mesh_block_loss(p, x, None, model_axis))
+    floor = reduce == "no_comm"
+    sync = GradSync(params, mesh, bucket_size=bucket_size, reduce="fp32_accum" if floor else reduce, drain=drain,
+                    max_in_flight=max_in_flight, outer_axis=outer_axis,
+                    param_specs=mesh_block_specs(params, model_axis), tensor_parallel=tensor_parallel, **chains)
+    in_loss = None if tensor_parallel == "gspmd" else model_axis
+    loss = (lambda p, x: mesh_block_loss(p, x, "expert", in_loss)) if expert else \
+        (lambda p, x: mesh_block_loss(p, x, None, in_loss))
     out_specs = Shards(sync.shard_spec, sync.expert_shard_spec) if expert else sync.shard_spec
-    step = jax.jit(_compat.shard_map(sync.value_and_grad(loss), mesh=mesh,
-                                     in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)))
+    if floor:  # nothing all-reduced over the outer axes either: each replica keeps its own shards
+        out_specs = _over_outer_axes(sync, out_specs)
+    step = jax.jit(sync.shard_map(_no_comm_grad(sync, loss, out_specs) if floor else sync.value_and_grad(loss),
+                                  in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)))
     batch = jax.ShapeDtypeStruct((sync.axis_size * sync.outer_size * tokens_per_device, d_model), jnp.float32)
     return step, (params, batch), sync
+
+
+def _over_outer_axes(sync: GradSync, specs: Any) -> Any:
+    """Shard ``specs`` split over the sync's outer axes too, first (each replica its own)."""
+    def widen(spec: P) -> P:
+        entry = spec[-1]
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return P(*spec[:-1], (*sync.outer_axes, *axes))
+
+    return jax.tree.map(widen, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _no_comm_grad(sync: GradSync, loss_fn: Callable, shard_specs: Any) -> Callable:
+    """``(params, batch) -> (loss, shards)`` with no gradient communication: each device's
+    local gradient, every bucket summed over its own chunks on the device (drained, one chain),
+    shards of the sync's shapes, split over ``shard_specs``. The floor a sync's temp memory can
+    approach."""
+    n = sync.axis_size
+
+    def local_sums(grads: Any) -> tuple[jax.Array, ...]:
+        buckets = sync.flat_shards(sync.flatten(grads))
+        return sync.pack_shards(sequenced_map(
+            lambda k, bucket: jnp.sum(bucket.reshape(n, -1).astype(jnp.float32), axis=0), buckets, 1))
+
+    def step(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        loss, grads = jax.value_and_grad(loss_fn)(sync.local_params(params), batch)
+        shards = sync.on_local_blocks(local_sums, (sync.param_specs,), shard_specs)(grads)
+        return jax.lax.pmean(loss, sync.data_axes), shards
+
+    return step
 
 
 def plan_preset(
