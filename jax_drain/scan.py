@@ -54,6 +54,16 @@ stacked ``[num_layers, ...]`` gradient. The price is ``k`` reduce-scatters inste
 one float32 accumulator of the shards (``1 / axis_size`` of the parameters, in float32) next to
 the current micro-batch's shards.
 
+Tensor parallel by XLA (``tensor_parallel="gspmd"`` with ``param_specs``): the step's
+``shard_map`` is manual over the data axes only and the loss runs on global shapes along the model
+axes, stacked weights split over them past their layer dimension (``P(None, None, "model")``).
+The hook's backward rule runs in the backward scan body there, where a layer's gradient is whole
+along the model axes: it enters the sync's nested region manual over them
+(:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`) as this device's blocks, and the layer's
+chain reduce-scatters them over the data axis, so no model-sharded gradient or weight is
+gathered. The shards are laid out data axes first (:attr:`BucketChain.data_major
+<jax_drain.BucketChain>`), as :class:`~jax_drain.GradSync` lays them out with ``"gspmd"``.
+
 Limits (each refused with an error naming the leaf): one scan over one
 stack per loss (not an encoder and a decoder stack); the stacked leaves must enter that scan
 unchanged, as its scanned inputs -- not through a cast (cast inside the body instead), a slice,
@@ -61,7 +71,8 @@ or a ``jax.checkpoint`` around the whole scan (put remat inside the body, as ``n
 block does); a stacked leaf used outside the scan is refused, because its gradient there would
 be lost. The scan may sit inside ``jit``-ed functions. The rewrite reads the traced loss, so any
 wrapper that hands the stacked leaves to ``jax.lax.scan`` as ``xs`` is seen the same way (tested:
-``nnx.scan`` and plain ``jax.lax.scan``).
+``nnx.scan`` and plain ``jax.lax.scan``). A stacked leaf's layer dimension must not be split
+over a mesh axis. With ``"gspmd"``, ZeRO-3 (:mod:`jax_drain.zero3`) is not supported yet.
 
 Optimizer: :class:`~jax_drain.DistributedOptimizer` takes a ScanGradSync as its ``sync``
 (fp32 master shards in this layout, ``jax_drain.masked`` / ``jax_drain.clip_by_global_norm``
@@ -78,7 +89,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
@@ -91,7 +102,7 @@ from jax_drain.feedback import check_error_feedback
 from jax_drain import zero3
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import pack_value, split_output
-from jax_drain.mesh import as_axes, check_mesh, place_leaves
+from jax_drain.mesh import as_axes, auto_mesh, check_mesh, check_tensor_parallel, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
 
@@ -141,6 +152,12 @@ class ScanGradSync(ChainedSync):
             order within a layer) and to the others. ``None``: reverse leaf order.
         outer_axis: hierarchical reduction as for :class:`~jax_drain.GradSync`: each shard,
             per layer inside the loop too, is all-reduced over these axes in float32.
+        param_specs, tensor_parallel: tensor parallel by XLA, as for :class:`~jax_drain.GradSync`
+            (only ``tensor_parallel="gspmd"`` takes ``param_specs`` here): the loss runs on global
+            shapes along the model axes, and each layer's gradient, in its backward iteration,
+            enters the nested region manual over them as its local blocks, where the layer's
+            chain reduce-scatters it over the data axis. A stacked leaf's spec leaves its layer
+            (leading) dimension unsplit, e.g. ``P(None, None, "model")``.
 
     Example::
 
@@ -166,8 +183,17 @@ class ScanGradSync(ChainedSync):
         outer_axis: str | Sequence[str] | None = None,
         split_leaves: bool = False,
         wire_dtype: Any = None,
+        param_specs: PyTree | None = None,
+        tensor_parallel: str = "manual",
     ):
         check_mesh(mesh)
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
+        gspmd = self.tensor_parallel == "gspmd"
+        if param_specs is not None and not gspmd:
+            raise ValueError("ScanGradSync takes param_specs only with tensor_parallel='gspmd' (a loss on global "
+                             "shapes); hand-written (manual) tensor parallel is not supported with a scanned stack")
+        if gspmd:
+            mesh = auto_mesh(mesh)  # GSPMD partitions the loss over the Auto axes
         if not isinstance(axis, str):
             raise TypeError(f"ScanGradSync reduces over one mesh axis (axis='data'), got {axis!r}")
         if axis not in mesh.axis_names:
@@ -183,7 +209,7 @@ class ScanGradSync(ChainedSync):
         self.average = bool(average)
         self.drain = bool(drain)
         self.max_in_flight = drain_depth(drain, max_in_flight)
-        self.placements = tuple(place_leaves(params, mesh, self.axes, self.outer_axes))
+        self.placements = tuple(place_leaves(params, mesh, self.axes, self.outer_axes, param_specs))
         self._treedef = jax.tree.structure(params)
         mask = _stacked_mask(params, stacked, [pl.path for pl in self.placements])
         self._stacked = tuple(i for i, m in enumerate(mask) if m)
@@ -197,11 +223,12 @@ class ScanGradSync(ChainedSync):
         self.num_layers = _check_num_layers(
             [(self.placements[i].path, self.placements[i].global_shape) for i in self._stacked], num_layers
         )
+        _check_layer_axis_unsplit([self.placements[i] for i in self._stacked])
         order = None if order is None else check_order(order, len(self.placements))
         chain = lambda name, scope, leaves, layers: build_chain(
             name, scope, mesh, self.placements, leaves, self.axes, self.outer_axes,
             bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=split_leaves,
-            wire_dtype=wire_dtype)
+            wire_dtype=wire_dtype, data_major=gspmd)
         #: The bucket chains, dispatch order: one layer's buckets (reduced inside the backward
         #: scan, shards ``[num_layers, size]``), then the other leaves' (after the loop).
         self.chains = (chain("layers", LAYER_SCOPE, self._stacked, self.num_layers),) + (
@@ -285,7 +312,8 @@ class ScanGradSync(ChainedSync):
         return (
             f"ScanGradSync(axis={self.axis!r}, axis_size={self.axis_size}, reduce={self.reduce!r}, "
             f"drain={self.drain}, max_in_flight={self.max_in_flight}, num_layers={self.num_layers}, "
-            f"layer_buckets={len(self.layer_bucket_sizes)}, rest_buckets={len(self.rest_bucket_sizes)})"
+            f"layer_buckets={len(self.layer_bucket_sizes)}, rest_buckets={len(self.rest_bucket_sizes)}"
+            + (f", tensor_parallel={self.tensor_parallel!r})" if self.tensor_parallel != "manual" else ")")
         )
 
     # -- inside shard_map -----------------------------------------------------------------
@@ -323,7 +351,7 @@ class ScanGradSync(ChainedSync):
                              f"must be float32, got {jnp.dtype(accum_dtype)}")
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
-            self.require_inside_shard_map("value_and_grad")
+            self.require_inside_shard_map("value_and_grad", data_region=bool(self.auto_axes))
             self.check_tree(params, "params")
             local = jax.tree.leaves(self.local_params(params))
             residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
@@ -353,9 +381,17 @@ class ScanGradSync(ChainedSync):
         memory. Layer buckets are sent last layer first (backward order), all ``num_layers x
         buckets`` collectives in one drain chain, then the non-stacked buckets. ``residuals``:
         error feedback, as for :meth:`value_and_grad`; returns ``(shards, new_residuals)``.
+        With ``tensor_parallel="gspmd"`` it may be called in the step's data-parallel region, on
+        gradients whole along the model axes: they enter :meth:`manual_region` as their local blocks.
         """
+        if self.in_data_region():
+            if residuals is None:
+                return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
+            specs = self.pack_shards([chain.bucket_spec for chain, _ in self.flat_chains])
+            fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
+            return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
         self.require_inside_shard_map("reduce_scatter")
-        leaves = self.check_tree(grads, "grads")
+        leaves = self.check_tree(grads, "grads", local=True)
         self.check_varying(leaves)
         stacked, rest = self._split(leaves)
         layers_chain = self._layers
@@ -407,9 +443,10 @@ class ScanGradSync(ChainedSync):
         out_tree = jax.tree.structure(out_shape)
         stacked_values = [local[i] for i in self._stacked]
         tracked = {closed.jaxpr.invars[i]: j for j, i in enumerate(self._stacked)}
+        # Shaped like the layer shards where the loss runs (with gspmd: every model rank's shard).
         dummies = tuple(
-            _compat.mark_varying(jnp.zeros((self.num_layers, s), jnp.float32), (self.axis,))
-            for s in self.layer_shard_sizes
+            _compat.mark_varying(jnp.zeros(self.region_shard_shape(self._layers, k), jnp.float32), (self.axis,))
+            for k in range(self._layers.num_buckets)
         )
         layer_residuals = () if residuals is None else tuple(residuals.layers)
         rewriters = []
@@ -447,6 +484,7 @@ class ScanGradSync(ChainedSync):
         :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards.
         Each layer is gathered from its rows inside the scan body and reduce-scattered in its
         backward; the other leaves are gathered once, before the loss."""
+        zero3.check_shardable(self)
         parts = self.per_chain(shards)
         rows, rest = parts[0], (parts[1] if len(parts) > 1 else ())
         local: list[Any] = [None] * len(self.placements)
@@ -465,11 +503,26 @@ class ScanGradSync(ChainedSync):
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards (and,
-        with this layer's ``residuals``, the new ones)."""
-        self.check_varying(list(layer_grads), indices=self._stacked)
-        return self._layers.reduce_scatter_leaves(
-            list(layer_grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
-            residuals=residuals)
+        with this layer's ``residuals``, the new ones). With ``tensor_parallel="gspmd"``, called
+        in the backward scan body in the data-parallel region, where the gradients are whole
+        along the model axes: the chain runs on their local blocks in the nested region manual
+        over them, so no model-sharded gradient is gathered."""
+        chain = self._layers
+        grad_specs = tuple(_layer_spec(self.placements[i].spec) for i in self._stacked)
+        shard_specs = (_layer_spec(chain.shard_spec),) * chain.num_buckets
+
+        def reduce(grads, residuals=None):
+            self.check_varying(list(grads), indices=self._stacked)
+            out = chain.reduce_scatter_leaves(
+                list(grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
+                residuals=residuals)
+            return tuple(out) if residuals is None else (tuple(out[0]), tuple(out[1]))
+
+        if residuals is None:
+            return self.on_local_blocks(reduce, (grad_specs,), shard_specs)(tuple(layer_grads))
+        residual_specs = (_layer_spec(chain.bucket_spec),) * chain.num_buckets
+        return self.on_local_blocks(reduce, (grad_specs, residual_specs), (shard_specs, residual_specs))(
+            tuple(layer_grads), tuple(residuals))
 
     def _reduce_rest(
         self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array],
@@ -485,9 +538,17 @@ class ScanGradSync(ChainedSync):
             # Start the non-stacked buckets only once the layer loop's shards exist, so no
             # collective stays in flight across the loop (the drain's one-at-a-time bound).
             _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
-        return others.reduce_scatter_leaves(
-            rest_grads, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
-            residuals=residuals)
+        grad_specs = tuple(self.placements[i].spec for i in self._rest)
+        shard_specs = (others.shard_spec,) * others.num_buckets
+        if residuals is None:
+            reduce = lambda g: tuple(others.reduce_scatter_leaves(  # noqa: E731
+                g, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight))
+            return self.on_local_blocks(reduce, (grad_specs,), shard_specs)(tuple(rest_grads))
+        residual_specs = (others.bucket_spec,) * others.num_buckets
+        fed = lambda g, r: others.reduce_scatter_leaves(  # noqa: E731
+            g, mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight, residuals=r)
+        return self.on_local_blocks(fed, (grad_specs, residual_specs), (shard_specs, residual_specs))(
+            tuple(rest_grads), tuple(residuals))
 
     def _split(self, leaves: Sequence[Any]) -> tuple[list, list]:
         return [leaves[i] for i in self._stacked], [leaves[i] for i in self._rest]
@@ -744,6 +805,22 @@ def _stacked_mask(params: PyTree, stacked: Stacked, paths: Sequence[str]) -> lis
     if len(mask) != len(paths):  # pragma: no cover - tree.map guarantees it
         raise ValueError("stacked does not match params")
     return mask
+
+
+def _layer_spec(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of one layer's slice of an array stacked over layers (its leading entry dropped)."""
+    return PartitionSpec(*tuple(spec)[1:])
+
+
+def _check_layer_axis_unsplit(placements: Sequence[Any]) -> None:
+    """Refuses a stacked leaf whose layer (leading) dimension is split over a mesh axis: each
+    scan iteration must see its whole layer."""
+    for pl in placements:
+        if len(pl.spec) and pl.spec[0] is not None:
+            raise ValueError(
+                f"stacked leaf {pl.path!r} has spec {pl.spec}, splitting its layer (leading) dimension over "
+                f"{pl.spec[0]!r}; a scanned stack's layer dimension must stay unsplit (e.g. P(None, None, 'model'))"
+            )
 
 
 def _check_num_layers(stacked: Sequence[tuple[str, tuple[int, ...]]], num_layers: int | None) -> int:

@@ -54,7 +54,10 @@ parameters' ``NamedSharding``, nnx ``Param`` metadata, linen logical partitionin
 
 Scanned layer stacks (``nnx.scan`` / ``jax.lax.scan`` over stacked block parameters): pass
 ``TrainConfig(scan_layers=True)`` and an ``example_batch``; a :class:`~jax_drain.ScanGradSync`
-reduce-scatters each layer's gradient inside the backward scan.
+reduce-scatters each layer's gradient inside the backward scan. A stack written for GSPMD (its
+stacked weights split over the model axis, e.g. ``P(None, None, "model")``, as MaxText lays out
+its scanned decoder) does so with ``tensor_parallel="gspmd"``, each layer's chain on its local
+blocks.
 
 ``flax.linen``: pass the variables ``module.init`` returns and the collections the loss updates,
 as ``module.apply(..., mutable=[...])`` takes them; the loss returns ``(loss, updates)``. Only
@@ -156,7 +159,11 @@ class TrainConfig:
             use a :class:`~jax_drain.ScanGradSync` (the stacked leaves are found by tracing the
             loss). With ``microbatches=k`` every micro-batch is reduce-scattered inside its own
             backward scan and the float32 shards are accumulated (see :mod:`jax_drain.scan`).
-            ``None``: do so iff the loss scans over parameters. ``False``: whole leaves.
+            ``None``: do so iff the loss scans over parameters. ``False``: whole leaves. With
+            ``tensor_parallel="gspmd"`` each layer's buckets are reduced on their local blocks
+            in the nested region manual over the model axes; not with hand-written (``"manual"``)
+            tensor parallel, expert params, or ``shard_params`` with ``"gspmd"`` (``None`` then
+            keeps whole leaves).
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
@@ -266,22 +273,29 @@ class TrainConfig:
 
     def check_gspmd(self) -> None:
         """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
-        unsupported = [name for name, on in (("expert", self.expert is not None), ("scan_layers", self.scan_layers is True))
-                       if on]
-        if unsupported:
+        if self.expert is not None:
             raise ValueError(
-                f"tensor_parallel='gspmd' does not support {', '.join(unsupported)} yet: use tensor_parallel='manual' "
-                "(a loss on local blocks with its own model-axis collectives), or turn them off"
+                "tensor_parallel='gspmd' does not support expert yet: use tensor_parallel='manual' "
+                "(a loss on local blocks with its own model-axis collectives), or turn it off"
             )
 
-    def check_scannable(self) -> None:
-        """Raises unless a scanned stack can sync on this mesh: ScanGradSync reduces over one
-        data axis (and ``outer_axis``) and takes neither ``param_specs`` nor expert params."""
-        if self.param_specs is not None or self.expert is not None or not isinstance(self.axis, str):
+    def check_scannable(self, tensor_parallel: str | None = None) -> None:
+        """Raises unless a scanned stack can sync in its backward scan: ScanGradSync reduces over
+        one data axis (and ``outer_axis``), takes tensor-parallel shardings only with
+        ``tensor_parallel="gspmd"`` (``tensor_parallel``: the step's resolved mode, else the
+        config's), no expert params, and no ``shard_params`` with ``"gspmd"``."""
+        gspmd = (tensor_parallel or self.tensor_parallel) == "gspmd"
+        if (self.param_specs is not None and not gspmd) or self.expert is not None or not isinstance(self.axis, str):
             raise ValueError(
                 "scan_layers=True syncs with ScanGradSync, which reduces over one data axis (and "
-                "outer_axis) and supports neither param_specs (tensor parallel) nor expert params "
-                "yet: use scan_layers=None or False on such a mesh (whole-leaf buckets)"
+                "outer_axis) and supports neither hand-written (manual) tensor-parallel param_specs nor expert "
+                "params yet: use tensor_parallel='gspmd' (a loss on global shapes) for tensor parallel, or "
+                "scan_layers=None or False on such a mesh (whole-leaf buckets)"
+            )
+        if gspmd and self.shard_params:
+            raise ValueError(
+                "scan_layers=True with tensor_parallel='gspmd' does not support shard_params=True (ZeRO-3) yet: "
+                "use scan_layers=False (whole-leaf buckets) or shard_params=False"
             )
 
     @property
@@ -637,9 +651,11 @@ class TrainStep:
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
             split_leaves=config.split_leaves, wire_dtype=config.wire_dtype,
         )
-        stacked = None if gspmd else self._find_stacked(global_micro)
+        stacked = self._find_stacked(global_micro)
         if stacked is not None:
-            sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked, **options)
+            sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked,
+                                             param_specs=self._specs if gspmd else None,
+                                             tensor_parallel=self.tensor_parallel, **options)
         else:
             sync = GradSync(self._abstract_params, mesh, param_specs=self._specs, expert=config.expert,
                             expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel, **options)
@@ -681,16 +697,21 @@ class TrainStep:
         wanted = self.config.scan_layers
         if wanted is False:
             return None
+        # Shardings (given or declared) need the loss on global shapes: "gspmd".
+        manual_tp = self.tensor_parallel != "gspmd" and shards_any(self._specs)
         if wanted is None:
             try:
-                self.config.check_scannable()
+                self.config.check_scannable(self.tensor_parallel)
             except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly
                 return None
-            if shards_any(self._specs):  # declared shardings: as param_specs would be
+            if manual_tp:
                 return None
-        elif shards_any(self._specs):
-            raise ValueError("scan_layers=True syncs with ScanGradSync, which supports no tensor-parallel "
-                             "shardings yet (declared on the model here): use scan_layers=None or False")
+        else:
+            self.config.check_scannable(self.tensor_parallel)  # the mode is known only now
+            if manual_tp:
+                raise ValueError("scan_layers=True syncs with ScanGradSync, which supports tensor-parallel shardings "
+                                 "only with tensor_parallel='gspmd' (a loss on global shapes): use it, or "
+                                 "scan_layers=None or False")
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
         mask = stacked_leaves(self._with_data_axes(self._scalar_loss(in_shard_map=False)), self._abstract_params,

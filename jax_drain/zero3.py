@@ -46,7 +46,7 @@ its backward run on local blocks in the sync's nested region manual over the mod
 own model blocks, a bucket is gathered over the data axes only, and the loss reads the pieces
 as model-sharded global arrays; no weight is gathered over a model axis. Hand-written
 (``"manual"``) tensor-parallel ``param_specs``, expert chains and, with ``"gspmd"``,
-tensor-parallel leaves split over buckets are refused.
+tensor-parallel leaves split over buckets and a scanned stack's layer chain are refused.
 
 ``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
 parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of
@@ -102,6 +102,11 @@ def check_shardable(sync: ChainedSync) -> None:
                 "each model rank's blocks); hand-written (manual) tensor-parallel param_specs and expert "
                 "parameters are not supported with it yet. Use tensor_parallel='gspmd' (a loss on global "
                 "shapes) or shard_params=False (ZeRO-1/2) on such a mesh"
+            )
+        if gspmd and chain.num_layers is not None:
+            raise ValueError(
+                "shard_params=True with tensor_parallel='gspmd' does not support a scanned stack synced in the "
+                "backward scan (scan_layers=True) yet: use scan_layers=False (whole-leaf buckets) or shard_params=False"
             )
         # A gathered piece leaves the nested region as its parameter's global array: a whole leaf.
         split = [chain.layout.slots[p.leaf].path for b in chain.layout.buckets for p in b.pieces

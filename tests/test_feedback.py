@@ -270,11 +270,12 @@ def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
 # -- every mesh kind -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer"])
+@pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer",
+                                  "gspmd_scanned_outer"])
 def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     """int8 wire + error feedback on tensor-parallel, replica x data x model (micro-batches),
-    expert-parallel and scanned (outer axis, micro-batches) meshes: the params stay within the
-    int8 wire's error of one-device optax, every chain carries residuals laid out over the axes
+    expert-parallel and scanned (outer axis, micro-batches; and a GSPMD one synced in its
+    backward scan) meshes: the params stay within the int8 wire's error of one-device optax, every chain carries residuals laid out over the axes
     its buckets differ along, and a checkpoint resumes the residuals bit for bit."""
     import dataclasses
 

@@ -634,3 +634,149 @@ def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler(
     blocks = 2 * sum(sum(p.size for p in b.pieces) for b in step.sync.chains[0].layout.buckets)
     saved = zero1.memory_analysis().argument_size_in_bytes - compiled.memory_analysis().argument_size_in_bytes
     assert saved == blocks - 2 * sum(sizes) // data
+
+
+# -- a scanned stack: each layer's buckets reduced inside the backward scan, on local blocks ------
+
+SCAN_BLOCK_SPECS = {"norm": None, "w_in": P(None, None, "model"), "b_in": P(None, "model"),
+                    "w_out": P(None, "model", None), "b_out": None}
+SCAN_SPECS = {"blocks": SCAN_BLOCK_SPECS, "head": None}
+
+
+def _scan_params(rng):
+    """:func:`_params`' blocks stacked over layers: ``[L, ...]`` leaves."""
+    params = _params(rng)
+    return {"blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"]), "head": params["head"]}
+
+
+def scanned_gspmd_loss(p, batch):
+    """:func:`gspmd_loss` under ``jax.lax.scan`` over the stacked blocks: global shapes."""
+    def block(h, q):
+        return h + jnp.tanh(jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"] + q["b_out"]), None
+
+    h, _ = jax.lax.scan(block, batch["x"], p["blocks"])
+    return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+
+
+def _layer_collectives(jaxpr, in_scan=False, manual=frozenset()):
+    """Every collective of the layer buckets (``jax_drain/layers/bucket{k}``): ``(bucket scope,
+    primitive, inside a scan body, the mesh axes manual there)``."""
+    from jax_drain._jaxpr import COLLECTIVES, bucket_scope, sub_jaxprs
+    from jax_drain.scan import LAYER_SCOPE
+
+    out = []
+    for eqn in jaxpr.eqns:
+        scope = bucket_scope(eqn)
+        if eqn.primitive.name in COLLECTIVES and scope and scope.startswith(LAYER_SCOPE):
+            out.append((scope, eqn.primitive.name, in_scan, manual))
+        # The axes a shard_map makes manual: "newly_manual_axes" (jax >= 0.7), else "axis_names".
+        names = eqn.params.get("newly_manual_axes", eqn.params.get("axis_names")) if eqn.primitive.name == "shard_map" else None
+        inner = manual | frozenset(names or ())
+        for sub in sub_jaxprs(eqn):
+            out += _layer_collectives(sub, in_scan or eqn.primitive.name == "scan", inner)
+    return out
+
+
+def test_scanned_stack_reduces_each_layer_inside_the_backward_scan_on_local_blocks(cpu_devices):
+    """A GSPMD scanned stack (declared shardings, the default scan detection) trains with the
+    per-layer sync: every layer bucket's reduce-scatter is in a scan body, in the nested region
+    manual over data and model, and only there; it trains like one-device optax."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, batches = _scan_params(np.random.default_rng(0)), _batches(1, STEPS)
+    step = jd.make_train_step(_placed(params, mesh, SCAN_SPECS), scanned_gspmd_loss, _tx(), mesh,
+                              jd.TrainConfig(axis="data", bucket_size=40, scan_layers=None), example_batch=batches[0])
+    assert step.tensor_parallel == "gspmd" and step.scan_layers and isinstance(step.sync, jd.ScanGradSync)
+    layers = step.sync.chains[0]
+    assert layers.num_layers == L and layers.num_buckets >= 2 and layers.spec_axes == ("model",)
+
+    jaxpr = jax.make_jaxpr(step._jitted)(step.abstract_state(), batches[0]).jaxpr
+    found = _layer_collectives(jaxpr)
+    assert sorted({scope for scope, *_ in found}) == [f"jax_drain/layers/bucket{k}" for k in range(layers.num_buckets)]
+    reduces = [f for f in found if f[1] in ("all_to_all", "psum_scatter", "reduce_scatter")]
+    assert len(reduces) == layers.num_buckets, found  # one per bucket, in the one backward body
+    assert all(in_scan and manual == {"data", "model"} for _, _, in_scan, manual in found), found
+
+    state = _train_and_compare(step, None, _scan_params(np.random.default_rng(0)), scanned_gspmd_loss, batches,
+                               "scanned gspmd")
+    _assert_model_blocks(state.params, SCAN_SPECS, mesh, "params")
+
+
+def test_scanned_stack_refusals_with_gspmd(cpu_devices):
+    """What the in-scan sync does not do with gspmd yet is refused, saying what to use; with
+    scan detection (scan_layers=None) ZeRO-3 keeps whole-leaf buckets instead."""
+    mesh = _mesh("data_model", cpu_devices)
+    params, (batch,) = _scan_params(np.random.default_rng(0)), _batches(1, 1)
+    with pytest.raises(ValueError, match="does not support shard_params=True"):
+        jd.TrainConfig(tensor_parallel="gspmd", scan_layers=True, shard_params=True)
+    with pytest.raises(ValueError, match="hand-written .manual. tensor-parallel param_specs"):
+        jd.TrainConfig(scan_layers=True, param_specs=SCAN_SPECS)
+    with pytest.raises(ValueError, match="only with tensor_parallel='gspmd'"):
+        jd.ScanGradSync(params, mesh, stacked={"blocks": True, "head": False}, param_specs=SCAN_SPECS)
+    with pytest.raises(ValueError, match=r"'blocks/norm' .* layer \(leading\) dimension"):
+        jd.ScanGradSync(params, mesh, stacked={"blocks": True, "head": False}, tensor_parallel="gspmd",
+                        param_specs={**SCAN_SPECS, "blocks": {**SCAN_BLOCK_SPECS, "norm": P("model")}})
+    step = jd.make_train_step(_placed(params, mesh, SCAN_SPECS), scanned_gspmd_loss, _tx(), mesh,
+                              jd.TrainConfig(bucket_size=40, scan_layers=None, shard_params=True), example_batch=batch)
+    assert step.tensor_parallel == "gspmd" and not step.scan_layers
+
+
+GS = 4  # scanned layers of the compile-only stack
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_scan_step(scan_layers):
+    """A bf16 GSPMD scanned stack on compile-only 8xH100 (data=4, model=2), its weights split over model."""
+    from jax_drain.planner.targets import gpu_mesh
+    from jax_drain.planner.schedule import parse_schedule
+
+    mesh = gpu_mesh((4, 2), ("data", "model"))
+    shape_of = {"norm": (GS, GD), "w_in": (GS, GD, GH), "b_in": (GS, GH), "w_out": (GS, GH, GD), "b_out": (GS, GD)}
+    blocks = {k: jax.ShapeDtypeStruct(shape_of[k], jnp.bfloat16, sharding=NamedSharding(mesh, SCAN_BLOCK_SPECS[k] or P()))
+              for k in shape_of}
+    params = {"blocks": blocks, "head": jax.ShapeDtypeStruct((GD, GD), jnp.bfloat16, sharding=NamedSharding(mesh, P()))}
+    batch = {"x": jax.ShapeDtypeStruct((8 * 256, GD), jnp.bfloat16), "y": jax.ShapeDtypeStruct((8 * 256, GD), jnp.float32)}
+
+    def loss(p, b):
+        def block(h, q):
+            z = jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]) @ q["w_out"]
+            return h + jnp.tanh(z + q["b_out"]), None
+
+        h, _ = jax.lax.scan(block, b["x"], p["blocks"])
+        return jnp.mean(((h @ p["head"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    config = jd.TrainConfig(axis="data", bucket_size=GD * GH // 2, scan_layers=scan_layers)
+    step = jd.make_train_step(params, loss, jd.adamw(1e-3, max_norm=1.0), mesh, config, example_batch=batch)
+    compiled = step.lower(step.abstract_state(), batch).compile()
+    return step, compiled, parse_schedule(compiled.as_text())
+
+
+@pytest.mark.gpu_compile
+def test_scanned_stack_reduces_each_layer_in_the_while_body_on_the_gpu_compiler():
+    """The GSPMD scanned stack on compile-only 8xH100: each layer bucket's gradient is one bf16
+    all-to-all over data of its local blocks (one model rank's bucket), inside the backward while
+    body, drained; no weight or gradient is all-gathered over the model axis; less temp memory
+    than reducing the stacked gradient after the backward."""
+    from jax_drain.scan import LAYER_SCOPE
+
+    step, compiled, sched = _gpu_scan_step(True)
+    data, model = 4, 2
+    assert step.scan_layers and step.tensor_parallel == "gspmd"
+    layers = step.sync.chains[0]
+    assert layers.num_buckets >= 2
+    found = [c for c in sched.collectives if c.in_scope(LAYER_SCOPE)]
+    assert found and all(c.computation != sched.entry for c in found)  # in a loop body
+    assert len({c.computation for c in found}) == 1  # the backward one
+    for k, size in enumerate(layers.layout.bucket_sizes):
+        (c,) = [c for c in found if c.in_scope(f"{LAYER_SCOPE}/bucket{k}/")]
+        assert (c.kind, c.dtype, c.group_size, c.bytes) == ("all-to-all", "bf16", data, 2 * size)
+        assert sched.feeds_f32_reduce(c)
+    assert sched.max_in_flight(lambda c: c.in_scope(LAYER_SCOPE)) == 1
+    # Over the model axis only all-reduces (XLA's activation sums, the replicated leaves' pmax);
+    # the only all-gathers are the optimizer's over data.
+    assert {c.kind for c in sched.collectives if c.group_size == model} == {"all-reduce"}
+    gathers = [c for c in sched.collectives if c.kind == "all-gather"]
+    assert all(c.group_size == data and c.in_scope("jax_drain/gather/") for c in gathers), gathers
+
+    _, after, after_sched = _gpu_scan_step(False)  # whole-leaf buckets after the backward
+    assert not [c for c in after_sched.collectives if c.in_scope(LAYER_SCOPE)]
+    assert compiled.memory_analysis().temp_size_in_bytes < after.memory_analysis().temp_size_in_bytes

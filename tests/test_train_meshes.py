@@ -2,7 +2,8 @@
 
 Each mesh kind (tensor parallel with the loss on local blocks and, ``"gspmd"``, on global shapes;
 ``("replica", "data", "model")``; expert parallel; split leaves; a scanned stack with an outer
-axis, and one written for GSPMD on a tensor-parallel mesh) trains a small float32 model for several steps with AdamW + global-norm
+axis, and one written for GSPMD on a tensor-parallel mesh, synced inside its backward scan or
+after it) trains a small float32 model for several steps with AdamW + global-norm
 clipping + a decay mask through ``jd.make_train_step``; a single-device reference runs the same
 model on the whole batch with plain optax (``optax.clip_by_global_norm`` + ``optax.adamw(mask=)``).
 The clip threshold is below the gradient norm, so a norm that counts a tensor-parallel replica
@@ -114,6 +115,9 @@ def scan_loss(p, batch):
     return _mse(h @ p["head"], batch["y"])
 
 
+SCAN_SPECS = {"embed": None, "head": None, "blocks": {"w": P(None, None, "model"), "norm": None}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     params: Callable[[np.random.Generator], Any]
@@ -149,12 +153,18 @@ CASES = {
                                     split_leaves=True, microbatches=2)),
     "tensor_parallel_split_leaves": Case(_dense_params, tp_loss, dense_reference_loss, ((4, 2), ("data", "model")),
                                          dict(param_specs=TP_SPECS, split_leaves=True)),
-    # A scanned stack written for GSPMD: its gradients reduced after the backward (split into
-    # several buckets), each layer's weight split over "model".
+    # A scanned stack written for GSPMD, each layer's weight split over "model": every layer's
+    # buckets reduced inside the backward scan, on local blocks (the default scan detection).
     "gspmd_scanned": Case(_scan_params, scan_loss, scan_loss, ((4, 2), ("data", "model")),
-                          dict(tensor_parallel="gspmd", split_leaves=True,
-                               param_specs={"embed": None, "head": None,
-                                            "blocks": {"w": P(None, None, "model"), "norm": None}})),
+                          dict(tensor_parallel="gspmd", scan_layers=None, bucket_size=30, param_specs=SCAN_SPECS)),
+    # The same stack's gradients reduced after the backward instead, split into several buckets.
+    "gspmd_scanned_whole_leaves": Case(_scan_params, scan_loss, scan_loss, ((4, 2), ("data", "model")),
+                                       dict(tensor_parallel="gspmd", scan_layers=False, split_leaves=True,
+                                            param_specs=SCAN_SPECS)),
+    # In the backward scan with an outer axis, micro-batches and a split leaf on the layer chain.
+    "gspmd_scanned_outer": Case(_scan_params, scan_loss, scan_loss, ((2, 2, 2), ("replica", "data", "model")),
+                                dict(tensor_parallel="gspmd", scan_layers=True, outer_axis="replica",
+                                     microbatches=2, split_leaves=True, param_specs=SCAN_SPECS)),
     "scanned_outer": Case(_scan_params, scan_loss, scan_loss, ((2, 4), ("replica", "data")),
                           dict(outer_axis="replica", scan_layers=True, microbatches=2)),
 }
@@ -181,7 +191,7 @@ def trajectory_bounds(case: Case, params, gradients) -> list:
 def _step(case: Case, params, batch, cpu_devices, tx=None) -> jd.TrainStep:
     shape, names = case.mesh
     mesh = Mesh(np.array(cpu_devices).reshape(shape), names)
-    config = jd.TrainConfig(bucket_size=60, **case.config)
+    config = jd.TrainConfig(**{"bucket_size": 60, **case.config})
     return jd.make_train_step(params, case.loss, tx or _tx(), mesh, config, example_batch=batch)
 
 
@@ -192,6 +202,8 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
     batches = _batches(1, STEPS + 2)
     step = _step(case, params, batches[0], cpu_devices)
     assert sum(chain.num_buckets for chain in step.sync.chains) > 2  # several buckets, drained
+    # A scanned stack (found, or named) syncs each layer inside the backward scan.
+    assert step.scan_layers == (case.config.get("scan_layers", False) is not False)
 
     state = step.init(params)
     losses = []
@@ -244,9 +256,10 @@ def test_global_norm_counts_every_element_once(kind, cpu_devices):
 
 
 def test_scan_layers_on_a_tensor_parallel_mesh(cpu_devices):
-    """ScanGradSync takes no param_specs: scan_layers=True is refused there; scan_layers=None
-    keeps whole-leaf buckets (and never traces the tensor-parallel loss outside shard_map)."""
-    with pytest.raises(ValueError, match="supports neither param_specs"):
+    """ScanGradSync takes param_specs only with gspmd: scan_layers=True is refused with hand-written
+    tensor parallel; scan_layers=None keeps whole-leaf buckets (and never traces the
+    tensor-parallel loss outside shard_map)."""
+    with pytest.raises(ValueError, match="supports neither hand-written .manual. tensor-parallel param_specs"):
         jd.TrainConfig(scan_layers=True, param_specs=TP_SPECS)
     case = CASES["tensor_parallel"]
     params = case.params(np.random.default_rng(0))
