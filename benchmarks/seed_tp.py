@@ -40,11 +40,13 @@ STRATEGIES = (("no_comm", True), ("fp32_accum", False), ("fp32_accum", True))
 OVERLAP = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
 
 
-def run_one(tp: int, tensor_parallel: str, reduce: str, drain: bool, target: str) -> dict[str, Any]:
-    """Compiles one (TP degree, tensor-parallel mode, strategy) and returns a JSON-ready row."""
+def run_one(tp: int, tensor_parallel: str, reduce: str, drain: bool, target: str,
+            bucket_size: int | None = None) -> dict[str, Any]:
+    """Compiles one (TP degree, tensor-parallel mode, strategy) and returns a JSON-ready row;
+    ``bucket_size`` (elements) defaults to the local parameters in :data:`BUCKETS` buckets."""
     mesh = gpu_mesh((64 // tp, tp), ("data", "model"), target=target, topology=TOPOLOGY)
     local = LAYERS * 2 * D_MODEL * 4 * D_MODEL // tp
-    bucket_size = -(-local // BUCKETS)
+    bucket_size = bucket_size or -(-local // BUCKETS)
     step, args, sync = plan.build_mesh_step(mesh, layers=LAYERS, d_model=D_MODEL, reduce=reduce, drain=drain,
                                             bucket_size=bucket_size, tokens_per_device=TOKENS, outer_axis=None,
                                             tensor_parallel=tensor_parallel)
@@ -65,9 +67,9 @@ def with_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], buckets: str) -> str:
     out = [f"### 8B MLP-block stack ({LAYERS} blocks, d_model {D_MODEL}), 64 compile-only H100s ({TOPOLOGY}), "
-           f"{BUCKETS} buckets, {TOKENS} tokens per data-parallel device", "",
+           f"{buckets}, {TOKENS} tokens per data-parallel device", "",
            "| TP | tensor parallel | strategy | buckets | bucket (fp32) MiB | temp GiB | above the floor (buckets) "
            "| buckets in flight |", "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -82,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", default="4,2", help="tensor-parallel degrees (default 4,2)")
     p.add_argument("--modes", default="manual,gspmd", help="tensor-parallel modes (default manual,gspmd)")
     p.add_argument("--target", default="h100", help="GPU target: h100, h200, a100")
-    p.add_argument("--out", metavar="DIR", help="write DIR/seed_tp.md and DIR/seed_tp.json")
+    p.add_argument("--bucket-size", type=int, help="elements per bucket (default: the local parameters in 7 "
+                   "buckets, as in the PR; Megatron's default is max(40M, 1M x data-parallel size))")
+    p.add_argument("--out", metavar="DIR", help="write DIR/seed_tp.md and DIR/seed_tp.json (DIR/seed_tp_<size>.* "
+                   "with --bucket-size)")
     args = p.parse_args(argv)
 
     rows = []
@@ -90,15 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             for reduce, drain in STRATEGIES:
                 start = time.perf_counter()
-                rows.append(run_one(tp, mode, reduce, drain, args.target))
+                rows.append(run_one(tp, mode, reduce, drain, args.target, args.bucket_size))
                 print(f"  TP={tp} {mode} {rows[-1]['strategy']}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    text = markdown(with_verdicts(rows))
+    text = markdown(with_verdicts(rows), f"{args.bucket_size:,}-element buckets" if args.bucket_size
+                    else f"the local parameters in {BUCKETS} buckets")
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "seed_tp.md").write_text(text)
-        (out / "seed_tp.json").write_text(json.dumps(rows, indent=1))
+        name = f"seed_tp_{args.bucket_size}" if args.bucket_size else "seed_tp"
+        (out / f"{name}.md").write_text(text)
+        (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 
