@@ -634,11 +634,21 @@ class TrainStep:
     # -- construction -----------------------------------------------------------------------
     def _build(self, batch: PyTree) -> None:
         """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
-        config, mesh = self.config, self.mesh
         batch = self._check_batch(batch)
         # tx is checked (check_transform) on a thread, from here on: its Python work overlaps the
         # compiles of init and of the first step, which XLA runs without the GIL.
         self._tx_check = _Background(check_transform, self.tx, self._abstract_params)
+        try:
+            self._build_checked(batch)
+        except BaseException:
+            # A refused build leaves no thread running on: the caller may go on using JAX. The
+            # check's own verdict, if any, is still raised first by _tx_explains.
+            self._tx_check.join()
+            raise
+
+    def _build_checked(self, batch: PyTree) -> None:
+        """:meth:`_build`'s work, while the tx check runs."""
+        config, mesh = self.config, self.mesh
         k = config.microbatches
         global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
                                     batch)
@@ -1091,6 +1101,10 @@ class _Background:
             fn(*args)
         except BaseException as e:  # noqa: BLE001 - raised again by the thread that waits
             self._error = e
+
+    def join(self) -> None:
+        """Waits for ``fn`` to end, raising nothing."""
+        self._thread.join()
 
     def wait(self) -> None:
         self._thread.join()

@@ -237,3 +237,19 @@ def test_multiprocess_worker_says_when_its_peer_died(tmp_path):
     assert re.search(r"^worker 0: process 1 of 2 died (or hangs|or stopped answering): .*; check the other "
                      r"hosts' logs$", err0, re.M), err0[-2000:]
     assert time.monotonic() - start < 40
+
+
+def test_a_refused_build_leaves_no_thread_running():
+    """The tx check runs on a thread while the step builds; a build that raises waits for it, so
+    the caller's next JAX work never runs beside a check left over."""
+    import threading
+
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)}
+    batch = {"x": np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)}
+
+    def loss(p, b):  # a collective over an axis the mesh lacks: refused while the order is traced
+        return jax.lax.pmean(jnp.mean((b["x"] @ p["w"]) ** 2), "batch")
+
+    with pytest.raises(ValueError, match="'batch'"):
+        jd.make_train_step(params, loss, optax.sgd(0.1), data_mesh(8), jd.TrainConfig(), example_batch=batch)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("jax_drain ")]
