@@ -53,7 +53,7 @@ from jax_drain.order import grad_ready_order
 from jax_drain.planner.schedule import COLLECTIVE_KINDS, Collective, Schedule, parse_schedule
 from jax_drain.planner.targets import gpu_mesh, parse_topology
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
-from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards, local_params
+from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards
 
 #: Baseline strategies; every reduce mode ``m`` adds ``m`` (undrained), ``m+drain`` (one
 #: bucket in flight) and ``m+drainK`` (K buckets in flight). ``gspmd_fsdp``: params and
@@ -658,21 +658,9 @@ def build_user_step(
     )
     if strategy.zero3:
         return _zero3_step(sync, loss_fn, batch, axis)
-    if strategy.name == "no_comm":
-        def local_step(p, b):
-            loss, grads = jax.value_and_grad(loss_fn)(local_params(p, axis), b)
-            loss = jax.lax.pmean(loss, axis)
-            n = sync.axis_size
-            # Each bucket reduced over its own chunks, locally: the sync's work minus the wire.
-            # Drained like the sync, so only the wire is missing from the comparison.
-            shards = sequenced_map(
-                lambda k, bucket: jnp.sum(bucket.reshape(n, -1).astype(jnp.float32), axis=0),
-                sync.flatten(grads), 1,
-            )
-            return loss, shards
-        fn = local_step
-    else:
-        fn = sync.value_and_grad(loss_fn)
+    # no_comm: the sync's work minus the wire (each bucket summed over its own chunks, drained).
+    floor = strategy.name == "no_comm"
+    fn = _no_comm_grad(sync, loss_fn, sync.shard_specs()) if floor else sync.value_and_grad(loss_fn)
     step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
     return step, (params, batch), sync
 
