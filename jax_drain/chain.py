@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
+from jax_drain.feedback import error_feedback_specs
 from jax_drain.collectives import (
     QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, reduce_scatter_bucket, wire_values,
 )
@@ -493,6 +494,16 @@ class ChainedSync:
         outer_out, _ = split_specs(out_specs, self.manual_axes)
         return _compat.shard_map(f, mesh=self.mesh, in_specs=outer_in, out_specs=outer_out,
                                  axis_names=frozenset(self.manual_axes))
+
+    def reduce_scatter_in_data_region(self, grads: Any, residuals: Any = None) -> Any:
+        """``reduce_scatter`` called in the ``"gspmd"`` step's data-parallel region, on
+        gradients whole along the model axes: they, and the error-feedback residuals if given,
+        enter :meth:`manual_region` as their local blocks."""
+        if residuals is None:
+            return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
+        specs = error_feedback_specs(self).residuals
+        fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
+        return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
 
     def manual_region(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
         """``f`` in a nested ``shard_map`` that makes :attr:`auto_axes` manual too: from inside

@@ -385,11 +385,7 @@ class ScanGradSync(ChainedSync):
         gradients whole along the model axes: they enter :meth:`manual_region` as their local blocks.
         """
         if self.in_data_region():
-            if residuals is None:
-                return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
-            specs = self.pack_shards([chain.bucket_spec for chain, _ in self.flat_chains])
-            fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
-            return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
+            return self.reduce_scatter_in_data_region(grads, residuals)
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, "grads", local=True)
         self.check_varying(leaves)

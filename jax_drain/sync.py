@@ -63,7 +63,7 @@ from jax_drain.chain import (
 )
 from jax_drain.collectives import check_mode, check_wire_dtype
 from jax_drain.drain import drain_depth
-from jax_drain.feedback import check_error_feedback, error_feedback_specs
+from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
 from jax_drain.mesh import (
@@ -359,11 +359,7 @@ class GradSync(ChainedSync):
         """
         if self.in_data_region():
             self.check_tree(grads, what="grads")
-            if residuals is None:
-                return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
-            specs = error_feedback_specs(self).residuals
-            fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
-            return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
+            return self.reduce_scatter_in_data_region(grads, residuals)
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, what="grads", local=True)
         self.check_varying(leaves)
