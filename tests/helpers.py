@@ -267,12 +267,13 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
 
 
 def sgd_rounding_bounds(gradients, *, additions: int, learning_rate: float, momentum: float = 0.0,
-                        params=None, max_norm: float | None = None) -> list:
-    """Per step and element, how far two (heavy-ball) SGD runs may have moved apart after that
-    step when each step's gradient is off by ``rounding_bound(additions, that leaf's largest
-    |g|)``: the update is linear in the gradient, so its errors add up through the momentum
-    buffer; plus the parameters' (``params``) own roundings. ``gradients``: the reference run's,
-    one tree per step, before ``max_norm`` clipping."""
+                        nesterov: bool = False, params=None, max_norm: float | None = None) -> list:
+    """Per step and element, how far two SGD runs (heavy-ball or Nesterov momentum) may have
+    moved apart after that step when each step's gradient is off by ``rounding_bound(additions,
+    that leaf's largest |g|)``: the update is linear in the gradient, so its errors add up
+    through the momentum buffer (Nesterov's update is the gradient plus ``momentum`` times the
+    new buffer, so it carries both); plus the parameters' (``params``) own roundings.
+    ``gradients``: the reference run's, one tree per step, before ``max_norm`` clipping."""
     trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
     treedef = jax.tree.structure(trees[0])
     scales = ([np.abs(np.asarray(x, np.float64)) for x in jax.tree.leaves(params)] if params is not None
@@ -284,8 +285,10 @@ def sgd_rounding_bounds(gradients, *, additions: int, learning_rate: float, mome
         norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
         clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
         for i, g in enumerate(step):
-            buffer[i] = momentum * buffer[i] + clip * rounding_bound(additions, np.max(np.abs(g), initial=0.0))
-            bound[i] = bound[i] + learning_rate * buffer[i] + rounding_bound(2, scales[i])
+            error = clip * rounding_bound(additions, np.max(np.abs(g), initial=0.0))
+            buffer[i] = momentum * buffer[i] + error
+            update = error + momentum * buffer[i] if nesterov else buffer[i]
+            bound[i] = bound[i] + learning_rate * update + rounding_bound(2, scales[i])
         out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
     return out
 

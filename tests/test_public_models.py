@@ -1,21 +1,28 @@
-"""Public models this project did not write, unchanged, through ``tensor_parallel="gspmd"``.
+"""Public models this project did not write, unchanged.
 
 ``examples/public_model_lm1b.py`` imports Flax's own ``examples/lm1b/models.py`` (a linen
-Transformer with ``nn.with_logical_partitioning``) from a flax source tree and trains it with
-lm1b's own logical axis rules on its ``(data, fsdp, tensor)`` mesh; here its losses and parameters
-after 5 AdamW steps must be within the float32 rounding bounds of one-device optax, and every
-device must hold its own block of every sharded weight.
+Transformer with ``nn.with_logical_partitioning``) from a flax source tree and trains it through
+``tensor_parallel="gspmd"`` with lm1b's own logical axis rules on its ``(data, fsdp, tensor)``
+mesh; here its losses and parameters after 5 AdamW steps must be within the float32 rounding
+bounds of one-device optax, and every device must hold its own block of every sharded weight.
+
+``examples/public_model_resnet.py`` imports Flax's ImageNet ``examples/imagenet/models.py`` (a
+linen ResNet whose BatchNorm layers average over the axis ``'batch'``) and trains ResNet18 with
+its ``batch_stats`` as mutable model state; its parameters and statistics must be within the
+rounding bounds of one device on whole batches, a NaN batch must leave them bit for bit and a
+checkpoint must hold the statistics.
 
 Flax's pip package has no ``examples/``, and CI has neither network nor a flax checkout, so the
-model's source is found only through ``JAX_DRAIN_FLAX_EXAMPLES``: a flax checkout (a directory
-holding ``examples/lm1b/models.py``) or a flax git directory, bare or not (the two files are then
-read from its ``HEAD`` with ``git show``), or beside an editable flax install. Without it these
-tests skip, saying so; nothing else in the suite depends on them. Run them with::
+models' source is found only through ``JAX_DRAIN_FLAX_EXAMPLES``: a flax checkout (a directory
+holding ``examples/lm1b/models.py`` and ``examples/imagenet/models.py``) or a flax git directory,
+bare or not (the files are then read from its ``HEAD`` with ``git show``), or beside an editable
+flax install. Without it these tests skip, saying so; nothing else in the suite depends on them.
+Run them with::
 
     git clone https://github.com/google/flax /tmp/flax
     JAX_DRAIN_FLAX_EXAMPLES=/tmp/flax python -m pytest -q -n 0 tests/test_public_models.py
 
-A ``JAX_DRAIN_FLAX_EXAMPLES`` that holds no lm1b model fails them instead of skipping.
+A ``JAX_DRAIN_FLAX_EXAMPLES`` that holds neither fails them instead of skipping.
 """
 
 from __future__ import annotations
@@ -33,42 +40,43 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from helpers import adam_rounding_bounds, assert_within, loss_rounding_bounds, rounding_chain
+from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, rounding_chain,
+                     sgd_rounding_bounds)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LM1B_FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py")
+FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py")
 ENV = "JAX_DRAIN_FLAX_EXAMPLES"
 
 
-def _has_lm1b(path: pathlib.Path) -> bool:
-    return all((path / f).is_file() for f in LM1B_FILES)
+def _has_models(path: pathlib.Path) -> bool:
+    return all((path / f).is_file() for f in FILES)
 
 
 @pytest.fixture(scope="module")
 def flax_source(tmp_path_factory) -> str:
-    """A directory holding lm1b's two files, or a skip naming ``JAX_DRAIN_FLAX_EXAMPLES``."""
+    """A directory holding the models' files, or a skip naming ``JAX_DRAIN_FLAX_EXAMPLES``."""
     given = os.environ.get(ENV)
     if given:
         path = pathlib.Path(given)
-        if _has_lm1b(path):
+        if _has_models(path):
             return str(path)
         out = tmp_path_factory.mktemp("flax")
         try:  # a git directory: the files at its HEAD
-            for f in LM1B_FILES:
+            for f in FILES:
                 text = subprocess.run(["git", "-C", str(path), "show", f"HEAD:{f}"], check=True, capture_output=True,
                                       text=True).stdout
                 (out / f).parent.mkdir(parents=True, exist_ok=True)
                 (out / f).write_text(text)
         except (OSError, subprocess.CalledProcessError) as e:
-            pytest.fail(f"{ENV}={given} holds neither {LM1B_FILES} nor a git history with them: {e}")
+            pytest.fail(f"{ENV}={given} holds neither {FILES} nor a git history with them: {e}")
         return str(out)
     import flax
 
     beside = pathlib.Path(flax.__file__).resolve().parent.parent  # an editable install from a checkout
-    if _has_lm1b(beside):
+    if _has_models(beside):
         return str(beside)
     pytest.skip(f"no flax examples source: the flax package has no examples/; set {ENV} to a flax checkout "
-                "or git directory (git clone https://github.com/google/flax) to run Flax's lm1b model")
+                "or git directory (git clone https://github.com/google/flax) to run Flax's lm1b and ImageNet models")
 
 
 def _groups(line: str) -> list[list[int]]:
@@ -86,8 +94,8 @@ def _coordinate(mesh, index: int, axis: str) -> int:
 
 
 @functools.cache
-def _example():
-    spec = importlib.util.spec_from_file_location("example_public_model_lm1b", ROOT / "examples/public_model_lm1b.py")
+def _example(name: str = "public_model_lm1b"):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / f"examples/{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -138,3 +146,38 @@ def test_flax_lm1b_transformer_unchanged_trains_like_one_device_optax(flax_sourc
     loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
     assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
     assert run["losses"][-1] < run["losses"][0]
+
+
+@pytest.mark.public_model
+def test_flax_imagenet_resnet_unchanged_trains_its_batch_stats_like_one_device(flax_source, cpu_devices):
+    ex = _example("public_model_resnet")
+    run = ex.main(["--flax", flax_source, "--steps", "4"])
+    step, trained, variables = run["step"], run["trained"], run["variables"]
+    want, want_losses, gradients = run["reference"]
+    assert set(run["state"].model_state) == {"batch_stats"} and step.sync.num_buckets > 1
+
+    # Each step's gradient is the one-device gradient's chain of roundings plus the sum over the
+    # 8 devices; the parameters follow SGD with Nesterov momentum from there.
+    # (The model's statistics need its axis 'batch' bound: a vmap of size 1.)
+    loss = lambda params, stats, batch: run["loss_fn"]({"params": params, "batch_stats": stats}, batch)[0]
+    grad = jax.vmap(jax.grad(loss), in_axes=(None, None, 0), axis_name="batch")
+    grad_chain = rounding_chain(grad, variables["params"], variables["batch_stats"],
+                                jax.tree.map(lambda x: x[None], run["data"][0])) + 8
+    bounds = sgd_rounding_bounds(gradients, additions=grad_chain, learning_rate=ex.LR, momentum=ex.MOMENTUM,
+                                 nesterov=True, params=variables["params"])
+    assert_within(trained["params"], want["params"], bounds[-1], what="ResNet18 params after 4 steps")
+    # The running statistics: each step's are the forward's statistics (within the forward and
+    # backward chain, which bounds the forward's) of parameters within that chain's bounds, mixed
+    # into the running averages.
+    assert_within_rounding(trained["batch_stats"], want["batch_stats"], additions=4 * grad_chain,
+                           what="ResNet18 batch_stats after 4 steps")
+    for path, moved, start in zip(jax.tree_util.tree_leaves_with_path(trained["batch_stats"]),
+                                  jax.tree.leaves(trained["batch_stats"]), jax.tree.leaves(variables["batch_stats"])):
+        assert not np.allclose(moved, start), f"{jax.tree_util.keystr(path[0])} did not move"
+    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=grad_chain)
+    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    assert run["losses"][-1] < run["losses"][0]
+    assert run["skipped"] and run["checkpointed"]
+    # The trained variables evaluate with the module itself, on the running statistics.
+    logits = run["module"].apply(trained, run["data"][0]["image"], train=False)
+    assert logits.shape == (ex.BATCH, ex.CLASSES) and np.all(np.isfinite(logits))
