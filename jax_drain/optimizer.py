@@ -59,6 +59,8 @@ Example (AdamW without decay on biases and norm scales, with clipping)::
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import functools
 import json
@@ -366,10 +368,17 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
     dimension at most 2, random float32 values, gradients of very different scales so that
     thresholds such as a clip's are crossed) both ways: on the tree, and on the flat shards of a
     small bucket layout split over two simulated devices (``jax.vmap`` with an axis name); each
-    step's updates must agree leaf by leaf, relative to that leaf's largest update.
+    step's updates must agree leaf by leaf, relative to that leaf's largest update. First, traced
+    abstractly at the real shapes, ``tx`` must keep state shaped like the parameters and compute
+    with the same operations as on the shrunken copy; a transform that acts only above a size
+    (Adafactor's factored moments) is refused, since the shrunken check could not see it.
     """
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 2) for d in np.shape(x)), jnp.float32),
-                            params)
+    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), real)
+    if difference := _shape_dependence(tx, real, abstract):
+        raise ValueError(_transform_hint(
+            "tx computes differently at the parameters' real shapes than on the shrunken copy the check "
+            "runs, so flat shards (whose shapes are neither) would not mean the same", difference))
     rng = np.random.default_rng(0)
     make = lambda scale: jax.tree.map(
         lambda s: np.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), np.float32), abstract)
@@ -393,6 +402,67 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
                     "tx gives a different result on flat shards than on the parameter tree",
                     f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
                     f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
+
+
+def _shrink(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The check's copy of a leaf's shape: same ndim, every dimension at most 2."""
+    return tuple(min(int(d), 2) for d in shape)
+
+
+# Operations that only move, shape or select values: which of them a transform traces depends on
+# the shapes themselves (a reshape to the same shape is elided), not on what it computes.
+_SHAPE_OPS = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "convert_element_type", "copy", "copy_p",
+    "slice", "concatenate", "pad", "select_n", "iota",
+})
+
+
+def _primitives(jaxpr) -> collections.Counter:
+    """How often each computing primitive occurs in ``jaxpr``, its sub-jaxprs included."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _SHAPE_OPS:
+            counts[eqn.primitive.name] += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    counts += _primitives(sub)
+    return counts
+
+
+def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: PyTree) -> str | None:
+    """How ``tx`` at the real shapes differs from ``tx`` at the check's shrunken ones, or None.
+
+    Traced abstractly (no arrays are made, so any model size is cheap): the state must have the
+    same structure with every leaf shaped as the parameters shrink (a factored second moment
+    above a size threshold, Adafactor's, has row and column statistics instead), and one update
+    must compute with the same operations (a branch on a dimension's size traces others).
+    """
+    try:
+        real_state, shrunk_state = jax.eval_shape(tx.init, real), jax.eval_shape(tx.init, shrunk)
+    except Exception:  # noqa: BLE001 - a tx that cannot init abstractly is checked on arrays below
+        return None
+    real_leaves, real_def = jax.tree_util.tree_flatten_with_path(real_state)
+    shrunk_leaves, shrunk_def = jax.tree_util.tree_flatten_with_path(shrunk_state)
+    if real_def != shrunk_def:
+        return f"its state's structure depends on the shapes: {real_def} at the real shapes, {shrunk_def} shrunken"
+    for (path, a), (_, b) in zip(real_leaves, shrunk_leaves):
+        if _shrink(np.shape(a)) != tuple(np.shape(b)):
+            return (f"state leaf {jax.tree_util.keystr(path)} is {tuple(np.shape(a))} at the real shapes but "
+                    f"{tuple(np.shape(b))} on the shrunken copy: it is not shaped like the parameters (e.g. "
+                    "factored moments: optax.adafactor(factored=False) keeps them element-wise)")
+    update = lambda state, params: tx.update(params, state, params)
+    try:
+        real_ops = _primitives(jax.make_jaxpr(update)(real_state, real).jaxpr)
+        shrunk_ops = _primitives(jax.make_jaxpr(update)(shrunk_state, shrunk).jaxpr)
+    except Exception:  # noqa: BLE001 - as above: the check on arrays reports it
+        return None
+    if real_ops != shrunk_ops:
+        more, fewer = real_ops - shrunk_ops, shrunk_ops - real_ops
+        return (f"one update at the real shapes computes with other operations ({dict(more)} more, "
+                f"{dict(fewer)} fewer than on the shrunken copy)")
+    return None
 
 
 def _updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> list[PyTree]:

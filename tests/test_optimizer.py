@@ -166,7 +166,39 @@ TREE_TRANSFORMS = {
     "jd.masked(prefix)": (lambda: optax.chain(jd.masked(optax.add_decayed_weights(0.5), PREFIX_MASK),
                                               optax.sgd(0.01)), "equal"),
     "optax.adamw (no mask)": (lambda: optax.adamw(0.01, weight_decay=0.1), "equal"),
+    "optax.adafactor(factored=False) element-wise": (lambda: optax.adafactor(
+        0.01, factored=False, multiply_by_parameter_scale=False, clipping_threshold=None), "equal"),
 }
+
+
+def _normalise_large_leaves(threshold: int) -> optax.GradientTransformation:
+    """Divides each update leaf larger than ``threshold`` elements by its norm: no state, a
+    branch on the leaf's size."""
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u: u / jnp.sqrt(jnp.sum(u * u)) if u.size > threshold else u, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("make, reason, element_wise_when_small", [
+    (lambda: optax.adafactor(1e-2), "v_row.*not shaped like the parameters.*adafactor\\(factored=False\\)", False),
+    (lambda: optax.chain(optax.scale_by_factored_rms(), optax.scale(-1e-2)), "v_row.*not shaped like the parameters",
+     True),
+    (lambda: _normalise_large_leaves(10_000), "other operations.*reduce_sum", True),
+], ids=["adafactor", "scale_by_factored_rms", "size_threshold"])
+def test_transforms_that_depend_on_the_real_shapes_are_refused(make, reason, element_wise_when_small):
+    """Factored moments (above 128 x 128 elements) and any branch on a leaf's size act at the
+    real shapes only, never on the check's shrunken copy, whose every dimension is at most 2:
+    they are seen on the real shapes, abstractly, and refused. On leaves too small to factor or
+    normalise the same transforms are element-wise and accepted: the refusal is the shapes'."""
+    params = {"kernel": jnp.ones((256, 192), jnp.float32) * 0.1, "bias": jnp.zeros((192,), jnp.float32)}
+    sync = jd.GradSync(params, data_mesh(8), bucket_size=20_000)
+    with pytest.raises(ValueError, match=f"(?s)real shapes.*{reason}"):
+        jd.DistributedOptimizer(make(), sync)
+    if element_wise_when_small:
+        small = jax.tree.map(lambda x: x[:64, :64] if x.ndim == 2 else x[:64], params)
+        jd.DistributedOptimizer(make(), jd.GradSync(small, data_mesh(8), bucket_size=2_000))
 
 
 @pytest.mark.parametrize("name", list(TREE_TRANSFORMS))
