@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_drain import _compat
+
 
 class WeightedLoss(NamedTuple):
     """A loss as ``total`` (a sum over what counts) and ``count`` (how much counts); a pytree."""
@@ -78,7 +80,32 @@ def split_output(out: Any, has_aux: bool, has_state: bool) -> LocalStep:
     if jnp.ndim(total) != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (or jax_drain.WeightedLoss of scalars), got shape {jnp.shape(total)}")
+    if not jnp.issubdtype(jnp.result_type(total), jnp.floating):
+        # An integer or boolean loss has no gradient: cast to float it would train on zeros.
+        raise ValueError(
+            f"loss_fn returned a loss of dtype {jnp.result_type(total)}, which has no gradient (every update would "
+            "be zero); compute the loss in floating point (e.g. from the logits, not from argmax or counts)")
     return LocalStep(jnp.asarray(total, jnp.float32), count, aux, new_state)
+
+
+def check_loss_varies(total: jax.Array, data_axes: tuple[str, ...]) -> None:
+    """Refuses a loss that is the same on every device along a data-parallel axis.
+
+    Inside ``shard_map`` each device's loss varies along the data axes (it reads its own
+    examples), unless the loss itself already reduced over them (a ``jax.lax.pmean`` of the
+    loss). The sync then averages an average: the value is right but every device's gradient
+    is that of the global loss, and their mean is off. Collectives over the data axes inside
+    the model (``BatchNorm(axis_name=...)``) leave the loss varying and are fine.
+    """
+    invariant = [a for a in data_axes if a not in _compat.varying_axes(total)]
+    if invariant:
+        raise ValueError(
+            f"loss_fn's loss is the same on every device along the data-parallel axes {invariant}: the loss "
+            "already reduced over them (a jax.lax.pmean or psum of it over a data axis?), and the step averages "
+            "the devices' losses and gradients itself, so the gradient would be wrong. Return this device's own "
+            "loss (the mean over its examples), or jax_drain.WeightedLoss(total, count) for a mean over the "
+            "tokens of all devices; collectives over the data axes inside the model (BatchNorm(axis_name=...)) "
+            "stay allowed")
 
 
 #: What a loss may return, for error messages.

@@ -101,7 +101,7 @@ from jax_drain.drain import drain_depth, sequenced_map
 from jax_drain.feedback import check_error_feedback
 from jax_drain import zero3
 from jax_drain.layout import BucketLayout, check_order
-from jax_drain.losses import pack_value, split_output
+from jax_drain.losses import check_loss_varies, pack_value, split_output
 from jax_drain.mesh import as_axes, auto_mesh, check_mesh, check_tensor_parallel, place_leaves
 
 __all__ = ["LAYER_SCOPE", "ScanGradSync", "ScanShards", "stacked_leaves"]
@@ -468,6 +468,7 @@ class ScanGradSync(ChainedSync):
                 "stacked_leaves), or use jax_drain.GradSync for an unrolled model"
             )
         check_state_replicated(state, step.state, self.data_axes)
+        check_loss_varies(step.total, self.data_axes)
         if residuals is None:
             return step, ScanShards(tuple(layer_shards), self._reduce_rest(rest_grads, layer_shards)), None
         rest_shards, rest_residuals = self._reduce_rest(rest_grads, layer_shards, residuals.rest)

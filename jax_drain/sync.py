@@ -65,7 +65,7 @@ from jax_drain.collectives import check_mode, check_wire_dtype
 from jax_drain.drain import drain_depth
 from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
-from jax_drain.losses import LocalStep, local_value_and_grad, pack_value
+from jax_drain.losses import LocalStep, check_loss_varies, local_value_and_grad, pack_value
 from jax_drain.mesh import (
     AxisSpec, ExpertSpec, LeafPlacement, as_axes, auto_mesh, axes_size, check_mesh, check_tensor_parallel, place_leaves,
 )
@@ -420,6 +420,7 @@ class GradSync(ChainedSync):
             if microbatches == 1:
                 out, grads = local_step(local, state, args, kwargs)
                 check_state_replicated(state, out.state, self.data_axes)
+                check_loss_varies(out.total, self.data_axes)
             else:
                 out, grads = self._accumulate(local_step, local, state, args, kwargs, microbatches, accum_dtype)
             reduced = self.reduce_scatter(grads, residuals=residuals)
@@ -458,6 +459,7 @@ class GradSync(ChainedSync):
             a, kw = micro
             out, grads = local_step(local, state, a, kw)
             check_state_replicated(state, out.state, self.data_axes)
+            check_loss_varies(out.total, self.data_axes)
             weighted.append(out.count is not None)
             grads = [_compat.mark_varying(g, ax) for g, ax in zip(jax.tree.leaves(grads), axes)]
             acc = [s + g.astype(s.dtype) for s, g in zip(acc, grads)]

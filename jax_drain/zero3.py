@@ -85,7 +85,7 @@ from jax_drain.chain import (
 )
 from jax_drain.collectives import all_gather_bucket
 from jax_drain.drain import check_max_in_flight
-from jax_drain.losses import pack_value, split_output
+from jax_drain.losses import check_loss_varies, pack_value, split_output
 from jax_drain.optimizer import StateLayout
 
 PyTree = Any
@@ -240,6 +240,7 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
 
     (_, step), buckets = jax.value_and_grad(differentiable, has_aux=True)(dummies)
     check_state_replicated(state, step.state, sync.data_axes)
+    check_loss_varies(step.total, sync.data_axes)
 
     def reduce(buckets: list) -> list:
         return [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))

@@ -81,3 +81,39 @@ def test_the_mean_of_device_means_would_differ():
     parts = [jax.tree.map(lambda x: x[i:i + 2], batch) for i in range(0, B, 2)]
     mean_of_means = np.mean([float(reference_loss(params, part)) for part in parts])
     assert abs(mean_of_means - float(reference_loss(params, batch))) > 1e-3
+
+
+def _mean_loss(p, batch):
+    return reference_loss(p, batch)
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"shard_params": True}, {"scan_layers": True}, {"microbatches": 2},
+], ids=["zero1", "zero3", "scanned", "microbatches"])
+def test_a_loss_already_averaged_over_the_data_axis_is_refused(config):
+    """A loss that ``pmean``s itself over the data axis reports the right value, but every
+    device's gradient is then the global loss's and the step's mean of them is off: refused,
+    saying what to return instead."""
+    params, batch = _params(np.random.default_rng(0)), _batches(1)[0]
+    averaged = lambda p, b: jax.lax.pmean(_mean_loss(p, b), "data")
+    with pytest.raises(ValueError, match="(?s)same on every device along the data-parallel axes.*WeightedLoss"):
+        step = jd.make_train_step(params, averaged, optax.sgd(0.5), data_mesh(8),
+                                  jd.TrainConfig(bucket_size=40, **config), example_batch=batch)
+        step(step.init(), batch)
+    # The device's own loss trains; the refusal is the pmean's.
+    step = jd.make_train_step(params, _mean_loss, optax.sgd(0.5), data_mesh(8),
+                              jd.TrainConfig(bucket_size=40, **config), example_batch=batch)
+    assert np.isfinite(float(step(step.init(), batch)[1].loss))
+
+
+@pytest.mark.parametrize("value", [
+    lambda p, b: jnp.sum(jnp.argmax(_nll(p, b["tokens"]), axis=-1)),
+    lambda p, b: jnp.any(_nll(p, b["tokens"]) > 1.0),
+    lambda p, b: 3,
+], ids=["int_array", "bool", "python_int"])
+def test_a_loss_without_a_gradient_is_refused(value):
+    """An integer or boolean loss cast to float would train on zero gradients."""
+    params, batch = _params(np.random.default_rng(0)), _batches(1)[0]
+    step = jd.make_train_step(params, value, optax.sgd(0.5), data_mesh(8), jd.TrainConfig(bucket_size=40))
+    with pytest.raises(ValueError, match="(?s)dtype (int|bool).*no gradient.*floating point"):
+        step(step.init(), batch)
