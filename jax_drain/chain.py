@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
 from jax_drain.feedback import error_feedback_specs
@@ -597,7 +597,7 @@ class ChainedSync:
     def unflatten(self, buckets: Any) -> PyTree:
         """The params-shaped tree (local blocks) from whole buckets in the sync's output type,
         e.g. the mean gradient from a step's global shards."""
-        return self.unflatten_buckets(self.flat_shards(buckets))
+        return self.unflatten_buckets(tuple(_whole(b) for b in self.flat_shards(buckets)))
 
     # -- inside shard_map -------------------------------------------------------------------
     def local_params(self, params: PyTree) -> PyTree:
@@ -887,6 +887,18 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
     if weighted[0]:
         return LocalStep(total, count, aux, state), acc, carried
     return LocalStep(total / k, None, aux, state), [a / k for a in acc], carried
+
+
+def _whole(bucket: jax.Array) -> jax.Array:
+    """``bucket`` replicated when it is sharded over Explicit mesh axes (``jax.make_mesh``'s
+    default), where slicing a sharded array must name its result's sharding: cutting a whole
+    bucket into leaves reads all of it anyway."""
+    sharding = jax.typeof(bucket).sharding
+    mesh = getattr(sharding, "mesh", None)
+    explicit = mesh is not None and any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    if explicit and any(entry is not None for entry in sharding.spec):
+        return jax.sharding.reshard(bucket, jax.sharding.NamedSharding(mesh, PartitionSpec()))
+    return bucket
 
 
 def check_state_replicated(old: Any, new: Any, axes: Sequence[str]) -> None:

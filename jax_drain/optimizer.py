@@ -654,6 +654,7 @@ class DistributedOptimizer:
             skip = skip | (grad_norm > skip_grad_norm_above)
         updates, inner = self.tx.update(
             FlatShards(grads, self._view), state.inner, FlatShards(state.master, self._view))
+        self._check_shared_state(inner)
         updates = self._zero_padding(updates.shards)
         # optax.apply_updates, in float32.
         master = tuple((m + u.astype(jnp.float32)).astype(jnp.float32) for m, u in zip(state.master, updates))
@@ -664,6 +665,19 @@ class DistributedOptimizer:
         report = UpdateReport(grad_norm, nonfinite, skip)
         params = self.gather_params(master) if gather else self.sync.cast_shards(self.sync.pack_shards(master))
         return params, DistState(master, inner, self.layout), report
+
+    def _check_shared_state(self, inner: PyTree) -> None:
+        """Refuses ``tx`` state kept once for all devices (not shaped like the shards: counts,
+        flags, scalar estimates) that ``tx`` computed from this device's shards alone."""
+        _, owners = self._inner_sharding
+        for (path, leaf), owner in zip(jax.tree_util.tree_leaves_with_path(inner), owners):
+            if owner is None and (varying := sorted(_compat.varying_axes(leaf) & set(self.sync.data_axes))):
+                raise ValueError(
+                    f"tx's state {jax.tree_util.keystr(path)} is one value for all devices, but tx computed it from "
+                    f"this device's gradient shards alone (it differs along {varying}): each device would keep its "
+                    "own. Non-finite gradients need no optax.zero_nans or optax.apply_if_finite here: the step "
+                    "skips them itself (TrainConfig(skip_nonfinite=True), the default); estimates over the whole "
+                    "gradient (optax.contrib.prodigy, d-adaptation) are not supported")
 
     def _nonfinite_buckets(self, grads: Sequence[jax.Array]) -> jax.Array:
         """How many buckets hold a non-finite gradient element on some device (int32)."""

@@ -226,6 +226,10 @@ class TrainConfig:
     logical_axis_rules: Any = None
 
     def __post_init__(self) -> None:
+        limit = self.skip_grad_norm_above
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float, np.integer, np.floating))
+                                  or not limit > 0):
+            raise ValueError(f"skip_grad_norm_above must be a positive number or None, got {limit!r}")
         if self.scan_layers not in (True, False, None):
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         check_microbatches(self.microbatches)
@@ -412,6 +416,7 @@ class TrainStep:
         self._model, self._source = model, (params if model is None else None)
         self._linen = linen  # model_state holds a linen variables dict's collections other than params
         self._model_params = _abstract(params)  # the model's own dtypes: the master shards' source
+        _check_floating(self._model_params)
         self._abstract_params = _working(self._model_params, config.param_dtype)
         check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
         self.data_size = axes_size(mesh, config.data_axes)
@@ -423,6 +428,8 @@ class TrainStep:
         self.optimizer: DistributedOptimizer | None = None
         self._jitted = None
         self._tx_check: _Background | None = None  # check_transform of tx, until the first step has run
+        self._tx_signature: tuple | None = None  # _tx_state_signature of this tx's state, once asked for
+        self._call_lock = threading.Lock()
         if example_batch is not None:
             with _own_mesh_context(self.mesh):
                 self._build(example_batch)
@@ -521,18 +528,25 @@ class TrainStep:
         """One optimizer step on a global ``batch``; returns ``(new_state, metrics)``.
 
         With ``TrainConfig(donate=True)`` (the default) ``state`` is consumed: keep using the
-        state this call returns.
+        state this call returns. Calls from several threads run one at a time; a second call on
+        a state that the first consumed is refused.
         """
-        _check_not_consumed(state)
-        with self._tx_explains():
-            state = self._ready(state, batch)
-            batch = self.shard_batch(batch)
-            if self._tx_check is not None:
-                # The first compile, on its own, while the tx check finishes: the call below
-                # reuses it, and a refused tx raises before the state is donated.
-                self._jitted.lower(state, batch).compile()
-        self._wait_tx_check()
-        return self._jitted(state, batch)
+        # Donation marks the state's buffers deleted when the step is dispatched: checked and
+        # dispatched under one lock, a concurrent call on the same state sees them deleted
+        # instead of racing the runtime for them.
+        with self._call_lock:
+            _check_not_consumed(state)
+            if self.config.donate:
+                _check_no_aliases(state)
+            with self._tx_explains():
+                state = self._ready(state, batch)
+                batch = self.shard_batch(batch)
+                if self._tx_check is not None:
+                    # The first compile, on its own, while the tx check finishes: the call below
+                    # reuses it, and a refused tx raises before the state is donated.
+                    self._jitted.lower(state, batch).compile()
+            self._wait_tx_check()
+            return self._jitted(state, batch)
 
     @_on_own_mesh
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
@@ -591,6 +605,7 @@ class TrainStep:
             raise ValueError(
                 "this step was built from a linen variables dict: use step.variables(state)" if self._linen else
                 "this step was built from a params pytree, not an nnx model: use step.master_params(state)")
+        _check_not_consumed(state)  # before anything is written: a model half updated is worse than none
         param_state = nnx.state(model, nnx.Param)
         exact = self.config.param_dtype is None and not self.config.shard_params
         nnx.replace_by_pure_dict(param_state, jax.jit(_copy)(state.params) if exact else self.master_params(state))
@@ -622,6 +637,7 @@ class TrainStep:
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
         the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""
+        _check_not_consumed(state)
         if state.opt_state is None:  # not stepped yet (built without example_batch): the model's own
             return jax.tree.map(np.asarray, jax.device_get(state.params))
         description = json.loads(state.opt_state.layout.description)
@@ -853,6 +869,7 @@ class TrainStep:
             raise TypeError(f"state.opt_state must be a DistState, got {type(opt_state).__name__}")
         if opt_state.fingerprint != self.optimizer.fingerprint:
             raise ValueError(layout_mismatch(opt_state.fingerprint, self.optimizer.fingerprint))
+        self._check_tx_state(opt_state.inner)
         if self.config.shard_params != isinstance(state.params, zero3.ParamShards):
             raise ValueError(
                 f"this step was built with TrainConfig(shard_params={self.config.shard_params}) but the state's "
@@ -869,6 +886,35 @@ class TrainStep:
         if feedback is not None and feedback.fingerprint != self.sync.fingerprint:
             raise ValueError("the state's error-feedback residuals belong to another bucket layout; "
                              "restore it through jd.restore_checkpoint(dir, step.abstract_state()), which resets them")
+
+    def _check_tx_state(self, inner: PyTree) -> None:
+        """Refuses a tx state made by another optimizer (another ``tx``): its structure or shapes
+        differ from what this step's ``tx`` keeps."""
+        if self._tx_signature is None:
+            with self._tx_explains():
+                self._tx_signature = _tx_state_signature(self.optimizer.abstract_state().inner)
+        (want_def, want_shapes), (got_def, got_shapes) = self._tx_signature, _tx_state_signature(inner)
+        if got_def != want_def or got_shapes != want_shapes:
+            shown = lambda d: (str(d)[:160] + "...") if len(str(d)) > 160 else str(d)
+            raise ValueError(
+                f"state.opt_state was made by another optimizer: its tx state is {shown(got_def)} but this step's "
+                f"tx keeps {shown(want_def)}. Use this step's init(), or restore a checkpoint saved with the same "
+                "tx into step.abstract_state()")
+
+
+def _tx_state_signature(inner: PyTree) -> tuple:
+    """What identifies the optimizer a tx state belongs to: its tree structure and leaf shapes."""
+    return jax.tree.structure(inner), tuple(np.shape(x) for x in jax.tree.leaves(inner))
+
+
+def _check_floating(params: PyTree) -> None:
+    """Refuses integer and boolean leaves among the trained params: they have no gradient."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise ValueError(
+                f"params leaf {jax.tree_util.keystr(path)} has dtype {leaf.dtype}: only floating-point "
+                "parameters are trained (an integer or boolean leaf has no gradient). Keep counters, "
+                "indices and masks out of the params: in the batch, in a closure, or as nnx non-Param state")
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -959,7 +1005,10 @@ def make_train_step(
 
         step = jd.make_train_step(variables, loss_fn, optax.adam(1e-3), mesh, mutable=["batch_stats"])
     """
-    config = config or TrainConfig()
+    config = TrainConfig() if config is None else config
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a jax_drain.TrainConfig, got {type(config).__name__}"
+                        + (": use jd.TrainConfig(**config)" if isinstance(config, Mapping) else ""))
     check_mesh(mesh)
     collections = _check_mutable(model, mutable)
     # Shardings declared on the model (read when param_specs is not given), before anything is traced.
@@ -1204,6 +1253,19 @@ def _model_state(model: nnx.Module) -> PyTree:
     inside each trace that merges them."""
     _, _, key_state, other_state = nnx.split(model, nnx.Param, nnx.RngKey, ...)
     return nnx.to_pure_dict(jax.tree.map(jax.random.key_data, key_state)), nnx.to_pure_dict(other_state)
+
+
+def _check_no_aliases(state: Any) -> None:
+    """A donated state must hold each array once: the runtime cannot donate one buffer twice."""
+    seen: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array):
+            name = jax.tree_util.keystr(path)
+            if (first := seen.setdefault(id(leaf), name)) != name:
+                raise ValueError(
+                    f"the state holds one array twice ({first} and {name}); its buffers are donated to the step, "
+                    "and one buffer cannot be donated twice. Give each leaf its own array (jnp.copy), or build the "
+                    "step with TrainConfig(donate=False)")
 
 
 def _check_not_consumed(state: Any) -> None:

@@ -253,3 +253,165 @@ def test_a_refused_build_leaves_no_thread_running():
     with pytest.raises(ValueError, match="'batch'"):
         jd.make_train_step(params, loss, optax.sgd(0.1), data_mesh(8), jd.TrainConfig(), example_batch=batch)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("jax_drain ")]
+
+
+# -- train step misuse ------------------------------------------------------------------------------
+
+_RNG = np.random.default_rng(7)
+_STEP_PARAMS = {"a": jnp.asarray(_RNG.normal(size=(16, 4)), jnp.float32),
+                "b": jnp.asarray(_RNG.normal(size=(16, 4)), jnp.float32)}
+_STEP_BATCH = {"x": _RNG.normal(size=(32, 16)).astype(np.float32)}
+
+
+def _product_loss(p, b):
+    return jnp.mean((b["x"] @ p["a"]) * (b["x"] @ p["b"]))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"bucket_size": 100}, "config must be a jax_drain.TrainConfig, got dict: use jd.TrainConfig\\(\\*\\*config\\)"),
+    ("fp32_accum", "config must be a jax_drain.TrainConfig, got str"),
+])
+def test_a_config_that_is_not_a_train_config_is_refused(config, message):
+    with pytest.raises(TypeError, match=message):
+        jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8), config)
+
+
+@pytest.mark.parametrize("value", ["1", 0, -1.0, float("nan"), True])
+def test_a_bad_skip_threshold_is_refused_at_construction(value):
+    with pytest.raises(ValueError, match="skip_grad_norm_above must be a positive number or None"):
+        jd.TrainConfig(skip_grad_norm_above=value)
+
+
+@pytest.mark.parametrize("leaf", [jnp.arange(4), jnp.ones((4,), bool)], ids=["int", "bool"])
+def test_integer_and_boolean_params_are_refused_naming_the_leaf(leaf):
+    with pytest.raises(ValueError, match=r"(?s)params leaf \['n'\] has dtype (int32|bool).*no gradient"):
+        jd.make_train_step({**_STEP_PARAMS, "n": leaf}, _product_loss, optax.sgd(0.1), data_mesh(8))
+
+
+def test_a_state_made_by_another_optimizer_is_refused():
+    """An Adam state given to an SGD step has the same buckets but another tx state: it would be
+    read as SGD's (or crash in the runtime); refused before anything runs."""
+    adam = jd.make_train_step(_STEP_PARAMS, _product_loss, optax.adam(0.1), data_mesh(8), example_batch=_STEP_BATCH)
+    sgd = jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1, momentum=0.9), data_mesh(8),
+                             example_batch=_STEP_BATCH)
+    state = adam.init()
+    with pytest.raises(ValueError, match="(?s)opt_state was made by another optimizer.*same tx"):
+        sgd(state, _STEP_BATCH)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # refused before donating
+    adam(state, _STEP_BATCH)  # its own step takes it
+
+
+_STATE_MISUSE = """
+import sys, threading
+import jax, jax.numpy as jnp, numpy as np, optax
+import jax_drain as jd
+rng = np.random.default_rng(0)
+params = {"a": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)}
+batch = {"x": rng.normal(size=(32, 16)).astype(np.float32)}
+loss = lambda p, b: jnp.mean((b["x"] @ p["a"]) * (b["x"] @ p["b"]))
+step = jd.make_train_step(params, loss, optax.adam(0.1), jax.make_mesh((8,), ("data",)), example_batch=batch)
+state, _ = step(step.init(), batch)
+if sys.argv[1] == "threads":
+    out = []
+    def run():
+        try:
+            out.append(float(step(state, batch)[1].loss))
+        except ValueError as e:
+            out.append(str(e))
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    ran = [x for x in out if isinstance(x, float)]
+    refused = [x for x in out if isinstance(x, str) and "consumed by an earlier step call" in x]
+    print("ran", len(ran), "refused", len(refused))
+else:
+    try:
+        step(state._replace(params={"a": state.params["a"], "b": state.params["a"]}), batch)
+    except ValueError as e:
+        print("refused:", e)
+    print("still usable:", np.isfinite(float(step(state, batch)[1].loss)))
+"""
+
+
+def _misuse(tmp_path, mode: str) -> str:
+    """Runs ``_STATE_MISUSE`` in a subprocess: a crash must fail the test, not end the suite."""
+    script = tmp_path / "state_misuse.py"
+    script.write_text(_STATE_MISUSE)
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def test_concurrent_calls_on_one_state_run_one_and_refuse_the_others(tmp_path):
+    """Four threads stepping one donated state: one runs, three are told the state was consumed
+    (without the step's lock the runtime is handed donated buffers and crashes)."""
+    out = _misuse(tmp_path, "threads")
+    assert "ran 1 refused 3" in out, out
+
+
+def test_a_state_holding_one_array_twice_is_refused_before_donation(tmp_path):
+    """One array in two leaves of a donated state would be donated twice (the runtime crashes):
+    refused naming both leaves, before anything is donated."""
+    out = _misuse(tmp_path, "alias")
+    assert re.search(r"refused: the state holds one array twice \(\.params\['a'\] and \.params\['b'\]\).*jnp.copy",
+                     out), out
+    assert "still usable: True" in out, out
+    # Without donation nothing is donated twice: an aliased state runs.
+    step = jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8),
+                              jd.TrainConfig(donate=False), example_batch=_STEP_BATCH)
+    state = step.init()
+    step(state._replace(params={"a": state.params["a"], "b": state.params["a"]}), _STEP_BATCH)
+
+
+@pytest.mark.parametrize("tx, leaf", [
+    (lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)), "found_nan"),
+    (lambda: optax.apply_if_finite(optax.sgd(0.1), 3), "notfinite_count"),
+    (lambda: optax.contrib.prodigy(), "estim_lr"),
+], ids=["zero_nans", "apply_if_finite", "prodigy"])
+def test_tx_state_computed_from_one_devices_shards_is_refused_naming_it(tx, leaf):
+    """Their flags, counts and estimates are one value for all devices, computed here from each
+    device's own shards: refused naming the state and what the step does instead (prodigy's
+    update also differs on the transform check's shards: whichever refusal comes first)."""
+    step = jd.make_train_step(_STEP_PARAMS, _product_loss, tx(), data_mesh(8))
+    alternative = "|different result on flat shards" if leaf == "estim_lr" else ""
+    with pytest.raises(ValueError, match=f"(?s){leaf}.*one value for all devices.*skip_nonfinite=True{alternative}"):
+        step(step.init(), _STEP_BATCH)
+
+
+def test_reading_a_consumed_state_is_refused_and_the_model_left_as_it_was():
+    from flax import nnx
+
+    class Linear(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.asarray(np.random.default_rng(3).normal(size=(16, 4)), jnp.float32))
+
+    model = Linear()
+    step = jd.make_train_step(model, lambda m, b: jnp.mean((b["x"] @ m.w[...]) ** 2), optax.sgd(0.1), data_mesh(8),
+                              example_batch=_STEP_BATCH)
+    consumed = step.init()
+    newer, _ = step(consumed, _STEP_BATCH)
+    before = np.asarray(model.w[...])
+    for read in (lambda: step.update_model(model, consumed), lambda: step.master_params(consumed)):
+        with pytest.raises(ValueError, match="consumed by an earlier step call"):
+            read()
+    np.testing.assert_array_equal(np.asarray(model.w[...]), before)
+    step.update_model(model, newer)
+    assert not np.array_equal(np.asarray(model.w[...]), before)
+
+
+def test_unflatten_takes_shards_from_a_mesh_with_explicit_axes():
+    """``jax.make_mesh`` gives Explicit axes (this jax's default): the quick start's
+    ``sync.unflatten(shards)`` gives the same mean gradient there as on an Auto mesh."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    results = []
+    for mesh in (jax.make_mesh((8,), ("data",)), Mesh(np.array(jax.devices()[:8]), ("data",))):
+        sync = jd.GradSync(_STEP_PARAMS, mesh, bucket_size=40)
+        grad = jax.jit(jax.shard_map(lambda p, b: sync.value_and_grad(_product_loss)(p, b), mesh=mesh,
+                                     in_specs=(P(), P("data")), out_specs=(P(), sync.shard_specs())))
+        batch = jax.device_put(_STEP_BATCH, NamedSharding(mesh, P("data")))
+        params = jax.device_put(_STEP_PARAMS, NamedSharding(mesh, P()))
+        results.append(jax.device_get(sync.unflatten(grad(params, batch)[1])))
+    explicit, auto = results
+    jax.tree.map(np.testing.assert_array_equal, explicit, auto)
+    assert all(np.any(x != 0) for x in jax.tree.leaves(explicit))
