@@ -1,0 +1,145 @@
+"""A finite mean stays finite: at the float32 and float16 range limits, where the sum over the
+devices overflows and the mean does not, every reduce mode returns the float64 mean within its
+derived rounding bound, on 8 virtual CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import data_mesh
+from helpers import EPS32, assert_within
+from jax_drain import _compat
+from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition, mean_predivisor, reduce_scatter_bucket
+
+EPS16 = float(np.finfo(np.float16).eps)  # 2**-10; one float16 rounding moves a normal value by <= EPS16 / 2 of it
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+# float16's subnormal step is 2**-24: a value rounded to the subnormal grid moves by <= 2**-25.
+HALF_SUBNORMAL16 = 2.0 ** -25
+QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0}
+
+# A bucket's parts, each its own quantization blocks: (name, size, magnitudes as fractions of the
+# dtype's largest finite value, or None for ordinary mixed-sign values). "half": every device
+# sends the same sign, so the sum of 6 or 8 is 1.5 to 4 times the largest finite value; "top":
+# the mean is within 25% of it (further than any mode's rounding can move a mean).
+PARTS = (("half", 600, (0.25, 0.5)), ("top", 300, (0.75, 0.875)), ("ordinary", None, None))
+
+
+def _slices(size: int) -> dict[str, slice]:
+    out, start = {}, 0
+    for name, part, _ in PARTS:
+        stop = size if part is None else start + part
+        out[name] = slice(start, stop)
+        start = stop
+    return out
+
+
+def _values(rng: np.random.Generator, n: int, shape: tuple[int, ...], fractions, top: float) -> np.ndarray:
+    """``[n, *shape]`` float64: magnitudes in ``fractions`` of ``top`` with one sign per element
+    shared by the devices; or, for ``fractions=None``, mixed signs over six orders of magnitude."""
+    if fractions is None:
+        return rng.normal(size=(n, *shape)) * np.exp(rng.uniform(-3, 3, size=(n, *shape)))
+    return rng.choice([-1.0, 1.0], size=shape) * rng.uniform(*fractions, size=(n, *shape)) * top
+
+
+def _near_the_top(n: int, size: int, dtype, seed: int = 0) -> jax.Array:
+    """Per-device buckets ``[n, size]`` in ``dtype`` laid out as ``PARTS``."""
+    rng = np.random.default_rng(seed)
+    top = float(jnp.finfo(dtype).max)
+    x = np.zeros((n, size))
+    for (_, _, fractions), s in zip(PARTS, _slices(size).values()):
+        x[:, s] = _values(rng, n, (s.stop - s.start,), fractions, top)
+    return jnp.asarray(x, dtype)
+
+
+def _mean(stacked) -> tuple[np.ndarray, np.ndarray]:
+    """float64 mean over the devices and the mean of ``|x|`` (what a sum's rounding scales with)."""
+    x = np.asarray(stacked, np.float64)
+    return x.mean(axis=0), np.abs(x).mean(axis=0)
+
+
+def _bound(mode: str, stacked, blocks: np.ndarray) -> np.ndarray:
+    """Per element, how far ``mode``'s mean may be from the float64 mean of ``stacked`` (every
+    term already in the bucket's dtype), from its roundings (``n`` devices):
+
+    * a float32 sum: ``n - 1`` additions and the mean's division, each ``EPS32 / 2`` of the mean
+      of ``|x|`` (``n + 1`` roundings, as the value tests count them);
+    * ``"bf16"`` on bf16 or float16 buckets: the same ``n + 1`` roundings in that dtype; on
+      float16 also the subnormals: each device's value divided by ``p`` and each of the ``n - 1``
+      partial sums may round to float16's subnormal grid, ``2**-25`` each before the mean's
+      ``p / n`` (the pre-divide's one cost);
+    * quantized: each device's rounding in its block (int8: half its scale ``s``; fp8:
+      ``|x| / 16 + s / 1024``) divided by ``n``, plus the float32 sum over ``|x| + s``.
+    ``blocks``: the first element of every quantization block.
+    """
+    x = np.asarray(stacked, np.float64)
+    n, dtype = x.shape[0], stacked.dtype
+    magnitude = np.abs(x).mean(axis=0)
+    if mode in QUANTIZED_MODES:
+        s = np.concatenate([np.repeat(np.abs(x[:, a:b]).max(axis=1, keepdims=True) / QMAX[mode], b - a, axis=1)
+                            for a, b in zip(blocks, [*blocks[1:], x.shape[1]])], axis=1)
+        own = s / 2 if mode.startswith("int8") else np.abs(x) / 16 + s / 1024
+        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + s.mean(axis=0))
+    if mode != "bf16" or dtype == jnp.float32:
+        return (n + 1) * EPS32 * magnitude
+    if dtype == jnp.bfloat16:
+        return (n + 1) * EPS_BF16 / 2 * magnitude
+    p = mean_predivisor(n)
+    return (n + 1) * EPS16 / 2 * magnitude + (2 * n - 1) * p / n * HALF_SUBNORMAL16
+
+
+def _run(mode: str, stacked: jax.Array, **options) -> np.ndarray:
+    """The mean over the first ``stacked.shape[0]`` CPU devices: the whole reduced bucket."""
+    fn = jax.jit(_compat.shard_map(
+        lambda x: reduce_scatter_bucket(x[0], "data", mode=mode, **options),
+        mesh=data_mesh(stacked.shape[0]), in_specs=P("data"), out_specs=P("data")))
+    return np.asarray(fn(stacked))
+
+
+# float16 buckets overflow only where they are summed in float16 ("bf16"); the other modes sum
+# in float32, which 8 float16 values cannot overflow.
+CASES = [(m, d) for m in REDUCE_MODES for d in (jnp.float32, jnp.bfloat16)] + [("bf16", jnp.float16)]
+
+
+@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("mode,dtype", CASES, ids=[f"{m}-{jnp.dtype(d).name}" for m, d in CASES])
+def test_mean_near_the_largest_finite_value_stays_finite(mode, dtype, n):
+    """Each device's values near half (and three quarters of) its dtype's largest finite value:
+    the sum over the devices overflows, the mean does not; every element of the mean is finite
+    and within its rounding bound of the float64 mean (the ordinary part too: divided once)."""
+    size = n * 256
+    stacked = _near_the_top(n, size, dtype, seed=n)
+    starts = tuple(s.start for s in _slices(size).values())
+    options = dict(block_starts=starts) if mode in QUANTIZED_MODES else {}
+    out = _run(mode, stacked, average=True, **options)
+    x = np.asarray(stacked, np.float64)
+    assert np.all(np.abs(x.sum(axis=0)[_slices(size)["half"]]) > 1.5 * float(jnp.finfo(dtype).max))
+    assert np.all(np.isfinite(out)), f"{mode}: {np.sum(~np.isfinite(out))} elements of a finite mean not finite"
+    blocks = block_partition(size, n, 256, starts).bucket_starts()
+    ref, _ = _mean(stacked)
+    what = f"{mode}, {jnp.dtype(dtype).name}, n={n}"
+    assert_within({k: out[s] for k, s in _slices(size).items()}, {k: ref[s] for k, s in _slices(size).items()},
+                  {k: b[s] for b in [_bound(mode, stacked, blocks)] for k, s in _slices(size).items()}, what=what)
+
+
+@pytest.mark.parametrize("n", [8, 6, 3])
+@pytest.mark.parametrize("mode", REDUCE_MODES)
+def test_mean_is_the_sums_one_division_bit_for_bit(mode, n):
+    """Ordinary values: the mean is bit for bit the float32 sum divided by ``n`` as XLA divides
+    by a constant (on CPU: times float32 ``1 / n``), for a power-of-two ``n`` and not: the
+    pre-divide by a power of two rounds nothing (dividing by ``n`` before the sum would round
+    every term where ``n`` is not a power of two).
+
+    ``"fp32_accum"`` sums with one XLA reduce, whose order XLA picks per program (on CPU the
+    fused division makes it another loop): there the two agree to a reordered float32 sum,
+    ``n - 1`` roundings of the mean of ``|x|`` each, and the division's one each."""
+    stacked = jnp.asarray(_values(np.random.default_rng(n), n, (n * 512,), None, 1.0), jnp.float32)
+    total = _run(mode, stacked, average=False)
+    mean = _run(mode, stacked, average=True)
+    undivided = np.asarray(jax.jit(lambda t: t / n)(total))
+    if mode == "fp32_accum":
+        _, magnitude = _mean(stacked)
+        assert_within(mean, undivided, n * EPS32 * magnitude, what=f"{mode}, n={n}")
+    else:
+        np.testing.assert_array_equal(mean, undivided)
