@@ -1,15 +1,16 @@
 """A finite mean stays finite: at the float32 and float16 range limits, where the sum over the
-devices overflows and the mean does not, every reduce mode returns the float64 mean within its
-derived rounding bound, on 8 virtual CPU devices."""
+devices overflows and the mean does not, every reduce mode (and the hierarchical two-stage
+reduce) returns the float64 mean within its derived rounding bound, on 8 virtual CPU devices."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+import jax_drain as jd
 from conftest import data_mesh
-from helpers import EPS32, assert_within
+from helpers import EPS32, assert_within, leaves_of
 from jax_drain import _compat
 from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition, mean_predivisor, reduce_scatter_bucket
 
@@ -143,3 +144,58 @@ def test_mean_is_the_sums_one_division_bit_for_bit(mode, n):
         assert_within(mean, undivided, n * EPS32 * magnitude, what=f"{mode}, n={n}")
     else:
         np.testing.assert_array_equal(mean, undivided)
+
+
+# -- the hierarchical reduce: reduce-scatter over "data", all-reduce over "replica" -------------
+
+PARAMS = {"half": jax.ShapeDtypeStruct((20, 30), jnp.float32), "top": jax.ShapeDtypeStruct((300,), jnp.float32),
+          "ordinary": jax.ShapeDtypeStruct((13, 29), jnp.float32)}
+# (reduce mode, wire dtype): every mode on float32's range, and the float16 wire, the one whose
+# range a float32 model's gradients can reach (summed in float16 by "bf16", outer stage too).
+SYNC_CASES = [(m, None) for m in REDUCE_MODES] + [("bf16", jnp.float16)]
+
+
+def _sync_grads(n: int, top_dtype, seed: int) -> dict[str, jax.Array]:
+    """float32 gradients ``[n, *shape]`` per leaf of ``PARAMS``, as ``PARTS`` describes (relative to
+    ``top_dtype``'s largest finite value), every value representable in ``top_dtype``."""
+    rng = np.random.default_rng(seed)
+    top = float(jnp.finfo(top_dtype).max)
+    return {name: jnp.asarray(jnp.asarray(_values(rng, n, PARAMS[name].shape, fractions, top), top_dtype), jnp.float32)
+            for name, _, fractions in PARTS}
+
+
+def _sync_bound(mode: str, wire, g: np.ndarray) -> np.ndarray:
+    """Per element of one leaf's mean over the ``n`` devices of ``g`` (float64 ``[n, ...]``): the
+    :func:`_bound` of ``mode``; a quantized block lies inside a leaf, so its scale is at most
+    the leaf's largest value on that device over ``QMAX``."""
+    n = g.shape[0]
+    magnitude = np.abs(g).mean(axis=0)
+    if mode in QUANTIZED_MODES:
+        leaf_max = np.abs(g).reshape(n, -1).max(axis=1).reshape((n,) + (1,) * (g.ndim - 1))
+        s = np.broadcast_to(leaf_max / QMAX[mode], g.shape)
+        own = s / 2 if mode.startswith("int8") else np.abs(g) / 16 + s / 1024
+        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + s.mean(axis=0))
+    if wire is None:
+        return (n + 1) * EPS32 * magnitude
+    return (n + 1) * EPS16 / 2 * magnitude + (2 * n - 1) * mean_predivisor(n) / n * HALF_SUBNORMAL16
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (3, 2)], ids=["2x4", "3x2"])
+@pytest.mark.parametrize("mode,wire", SYNC_CASES, ids=[f"{m}-{jnp.dtype(w).name if w else 'own'}" for m, w in SYNC_CASES])
+def test_hierarchical_mean_near_the_largest_finite_value_stays_finite(mode, wire, shape):
+    """``GradSync`` with an outer axis: the reduce-scatter over ``"data"`` and the all-reduce over
+    ``"replica"`` each sum values whose total overflows; the mean over all the devices (6: not a
+    power of two) is finite and within its rounding bound of the float64 mean."""
+    n = shape[0] * shape[1]
+    mesh = Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), ("replica", "data"))
+    sync = jd.GradSync(PARAMS, mesh, outer_axis="replica", reduce=mode, wire_dtype=wire)
+    grads = _sync_grads(n, wire or jnp.float32, seed=n)
+    fn = jax.jit(_compat.shard_map(lambda g: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g)), mesh=mesh,
+                                   in_specs=P(("replica", "data")), out_specs=sync.shard_specs()))
+    got = leaves_of(sync, fn(grads))
+    x = {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    assert np.all(np.abs(x["half"].sum(axis=0)) > 1.5 * float(jnp.finfo(wire or jnp.float32).max))
+    for k, g in got.items():
+        assert np.all(np.isfinite(g)), f"{mode}: {k} has {np.sum(~np.isfinite(g))} elements of a finite mean not finite"
+    assert_within(got, {k: g.mean(axis=0) for k, g in x.items()},
+                  {k: _sync_bound(mode, wire, g) for k, g in x.items()}, what=f"{mode}, wire {wire}, mesh {shape}")
