@@ -14,8 +14,6 @@ from helpers import EPS32, assert_within, leaves_of
 from jax_drain import _compat
 from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition, mean_predivisor, reduce_scatter_bucket
 
-EPS16 = float(np.finfo(np.float16).eps)  # 2**-10; one float16 rounding moves a normal value by <= EPS16 / 2 of it
-EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
 # float16's subnormal step is 2**-24: a value rounded to the subnormal grid moves by <= 2**-25.
 HALF_SUBNORMAL16 = 2.0 ** -25
 QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0}
@@ -60,34 +58,40 @@ def _mean(stacked) -> tuple[np.ndarray, np.ndarray]:
     return x.mean(axis=0), np.abs(x).mean(axis=0)
 
 
-def _bound(mode: str, stacked, blocks: np.ndarray) -> np.ndarray:
-    """Per element, how far ``mode``'s mean may be from the float64 mean of ``stacked`` (every
-    term already in the bucket's dtype), from its roundings (``n`` devices):
+def _mean_bound(mode: str, dtype, x: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """Per element, how far ``mode``'s mean over the ``n`` devices of ``x`` (float64 ``[n, ...]``,
+    every value already in the summed ``dtype``) may be from the float64 mean, from its roundings
+    (``u``: half the summed dtype's epsilon, ``m``: the mean of ``|x|``):
 
-    * a float32 sum: ``n - 1`` additions and the mean's division, each ``EPS32 / 2`` of the mean
-      of ``|x|`` (``n + 1`` roundings, as the value tests count them);
-    * ``"bf16"`` on bf16 or float16 buckets: the same ``n + 1`` roundings in that dtype; on
-      float16 also the subnormals: each device's value divided by ``p`` and each of the ``n - 1``
-      partial sums may round to float16's subnormal grid, ``2**-25`` each before the mean's
-      ``p / n`` (the pre-divide's one cost);
-    * quantized: each device's rounding in its block (int8: half its scale ``s``; fp8:
-      ``|x| / 16 + s / 1024``) divided by ``n``, plus the float32 sum over ``|x| + s``.
-    ``blocks``: the first element of every quantization block.
+    * a sum in float32, bf16 or float16: ``n - 1`` additions and the mean's division (two
+      roundings where XLA multiplies by the rounded reciprocal), ``(n + 1) u m``; in float16 also
+      the subnormals: each device's value divided by ``p`` and each partial sum may round to
+      the subnormal grid, ``2**-25`` each before the mean's ``p / n`` (the pre-divide's one cost);
+    * quantized (``scales``: each device's scale ``s`` of the element's block): each device's
+      rounding in its block (int8: ``s / 2``; fp8: ``|x| / 16 + s / 1024``) over ``n``, plus the
+      float32 sum's ``n + 1`` roundings and the quantizer's three of float32 per value (the
+      quotient by the scale, the scale, the product) of ``m + mean(s)``: within ``2 (n + 1) u``.
     """
-    x = np.asarray(stacked, np.float64)
-    n, dtype = x.shape[0], stacked.dtype
+    n = x.shape[0]
     magnitude = np.abs(x).mean(axis=0)
     if mode in QUANTIZED_MODES:
-        s = np.concatenate([np.repeat(np.abs(x[:, a:b]).max(axis=1, keepdims=True) / QMAX[mode], b - a, axis=1)
-                            for a, b in zip(blocks, [*blocks[1:], x.shape[1]])], axis=1)
-        own = s / 2 if mode.startswith("int8") else np.abs(x) / 16 + s / 1024
-        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + s.mean(axis=0))
-    if mode != "bf16" or dtype == jnp.float32:
-        return (n + 1) * EPS32 * magnitude
-    if dtype == jnp.bfloat16:
-        return (n + 1) * EPS_BF16 / 2 * magnitude
-    p = mean_predivisor(n)
-    return (n + 1) * EPS16 / 2 * magnitude + (2 * n - 1) * p / n * HALF_SUBNORMAL16
+        own = scales / 2 if mode.startswith("int8") else np.abs(x) / 16 + scales / 1024
+        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + scales.mean(axis=0))
+    summed = jnp.dtype(dtype) if mode == "bf16" else jnp.dtype(jnp.float32)
+    bound = (n + 1) * float(jnp.finfo(summed).eps) / 2 * magnitude
+    if summed == jnp.float16:
+        bound = bound + (2 * n - 1) * mean_predivisor(n) / n * HALF_SUBNORMAL16
+    return bound
+
+
+def _bound(mode: str, stacked, blocks: np.ndarray) -> np.ndarray:
+    """:func:`_mean_bound` of a bucket ``stacked`` whose quantization blocks start at ``blocks``."""
+    x = np.asarray(stacked, np.float64)
+    scales = None
+    if mode in QUANTIZED_MODES:
+        scales = np.concatenate([np.repeat(np.abs(x[:, a:b]).max(axis=1, keepdims=True) / QMAX[mode], b - a, axis=1)
+                                 for a, b in zip(blocks, [*blocks[1:], x.shape[1]])], axis=1)
+    return _mean_bound(mode, stacked.dtype, x, scales)
 
 
 def _run(mode: str, stacked: jax.Array, **options) -> np.ndarray:
@@ -165,19 +169,14 @@ def _sync_grads(n: int, top_dtype, seed: int) -> dict[str, jax.Array]:
 
 
 def _sync_bound(mode: str, wire, g: np.ndarray) -> np.ndarray:
-    """Per element of one leaf's mean over the ``n`` devices of ``g`` (float64 ``[n, ...]``): the
-    :func:`_bound` of ``mode``; a quantized block lies inside a leaf, so its scale is at most
-    the leaf's largest value on that device over ``QMAX``."""
-    n = g.shape[0]
-    magnitude = np.abs(g).mean(axis=0)
+    """:func:`_mean_bound` of one float32 leaf's gradients ``g`` (float64 ``[n, ...]``) sent on
+    ``wire``; a quantized block lies inside a leaf, so its scale is at most the leaf's largest
+    value on that device over ``QMAX``."""
+    scales = None
     if mode in QUANTIZED_MODES:
-        leaf_max = np.abs(g).reshape(n, -1).max(axis=1).reshape((n,) + (1,) * (g.ndim - 1))
-        s = np.broadcast_to(leaf_max / QMAX[mode], g.shape)
-        own = s / 2 if mode.startswith("int8") else np.abs(g) / 16 + s / 1024
-        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + s.mean(axis=0))
-    if wire is None:
-        return (n + 1) * EPS32 * magnitude
-    return (n + 1) * EPS16 / 2 * magnitude + (2 * n - 1) * mean_predivisor(n) / n * HALF_SUBNORMAL16
+        leaf_max = np.abs(g).reshape(g.shape[0], -1).max(axis=1).reshape((-1,) + (1,) * (g.ndim - 1))
+        scales = np.broadcast_to(leaf_max / QMAX[mode], g.shape)
+    return _mean_bound(mode, wire or jnp.float32, g, scales)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (3, 2)], ids=["2x4", "3x2"])
