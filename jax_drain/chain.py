@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 from jax_drain import _compat
 from jax_drain.feedback import error_feedback_specs
 from jax_drain.collectives import (
-    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, reduce_scatter_bucket, wire_values,
+    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, reduce_scatter_bucket, wire_values,
 )
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
@@ -232,7 +232,10 @@ class BucketChain:
         self, bucket: jax.Array, k: int, *, mode: str, divisor: int, residual: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Reduce-scatters whole bucket ``k`` over ``axes``, all-reduces over ``outer_axes``,
-        divides by ``divisor`` (in float32, after the sums); returns this device's float32 shard.
+        divides by ``divisor``; returns this device's float32 shard. A mean divides each device's
+        values by :func:`~jax_drain.collectives.mean_predivisor` of the devices summed as they
+        enter the sums (exact), the rest in float32 after them: neither stage overflows where the
+        mean does not.
         Quantized modes start a scale block at every piece (leaf) of the bucket, so a small leaf
         never shares a scale with a large one.
 
@@ -248,15 +251,20 @@ class BucketChain:
         extra = {}
         if mode in QUANTIZED_MODES:
             extra["block_starts"] = tuple(p.offset for p in self.layout.buckets[k].pieces)
+        outer = self.outer_axes[0] if len(self.outer_axes) == 1 else self.outer_axes
+        summed = (self.axis_size if self.axes else 1) * (_compat.axis_size(outer) if self.outer_axes else 1)
+        predivide = mean_predivisor(summed) if divisor > 1 else 1
         if self.axes:
-            shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False, **extra)
+            shard = reduce_scatter_bucket(bucket, self.reduce_axis, mode=mode, average=False, predivide=predivide,
+                                          **extra)
         else:  # every data axis shards these params: nothing to reduce-scatter
             shard = bucket.astype(jnp.float32)
+            shard = shard / predivide if predivide > 1 else shard
         if self.outer_axes:
-            outer = self.outer_axes[0] if len(self.outer_axes) == 1 else self.outer_axes
             # bf16 mode keeps the gradient dtype on the outer wire too (Megatron's baseline).
             shard = all_reduce_shard(shard, outer, wire_dtype=bucket.dtype if mode == "bf16" else jnp.float32)
-        shard = shard / divisor if divisor > 1 else shard
+        # divisor / predivide is dyadic: one rounding, the same as dividing the undivided sum.
+        shard = shard / (divisor / predivide) if divisor != predivide else shard
         if residual is None:
             return shard
         sent = wire_values(bucket, self.axis_size if self.axes else 1, mode=mode, **extra)

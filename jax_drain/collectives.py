@@ -27,6 +27,30 @@ Modes (``REDUCE_MODES``):
   ``"fp32_accum_streamed"`` (same ``STREAM_DEPTH`` fencing, scratch O(bucket / axis_size)); each
   step quantizes the chunk it sends, after the fence.
 
+The mean (``average=True``) overflows only where the mean itself does: a sum of ``n`` devices'
+finite values can exceed the largest finite float32 (or float16, summed in float16) while
+their mean is well inside it, and a step whose gradient is not finite is skipped. So each
+device's values are divided by ``p`` (:func:`mean_predivisor`: the smallest power of two
+``>= n``) as they enter the sum, and the float32 result by ``n / p`` after it. No partial sum
+then exceeds the largest of the values it adds (up to the sum's own rounding), in any order, on
+any wire. The rounding costs nothing outside the subnormals: dividing by a power of two only
+changes the exponent, so it is exact and commutes with every rounding of the sum (the sums are
+the undivided ones times ``2**-k``); ``n / p`` is dyadic, so dividing by it rounds as dividing
+by ``n`` did (so does XLA's multiplication by the reciprocal: ``1 / (n / p)`` rounds to ``p``
+times the rounded ``1 / n``), for every ``n``, power of two or not. Dividing by ``n`` itself before the sum would round every
+value once more where ``n`` is not a power of two. (XLA may still order a reduction of
+``"fp32_accum"`` differently once the division is fused into it: float32 rounding, as any
+reordered sum.)
+
+Where a divided value falls below the smallest normal of the dtype it is divided in, it is
+rounded to that dtype's subnormal grid: by at most ``2**-150`` in float32, ``2**-134`` in
+bfloat16 (values below ``p * 2**-126``), but ``2**-25`` in float16 (values below ``p * 2**-14``,
+``6.1e-5 * p``). Only ``"bf16"`` divides in the sum's own narrow dtype (the gradients', or
+the wire's), so there on float16 each device's contribution to the mean may move by
+``p / n * 2**-25`` (``3e-8`` at ``n = p = 8``), beside the float16 sum's own rounding. The
+other modes divide in float32 after the wire (where float16 and bfloat16 values stay normal)
+or divide their float32 block scales.
+
 Quantization blocks (quantized modes only; :func:`block_partition`): the bucket is split into
 ``axis_size`` chunks of ``bucket.size // axis_size`` elements; each chunk is cut every
 ``block_size`` elements from its start (the last piece is shorter when the chunk is not a
@@ -41,7 +65,8 @@ elements; many tiny leaves packed together make every element of the bucket pay 
 Error bound per element of the sum, before ``average`` (``s_j``: device ``j``'s scale of the
 element's block, ``x_j``: its value): int8 ``|error| <= sum_j s_j / 2``; fp8
 ``|error| <= sum_j (|x_j| / 16 + s_j / 1024)`` (e4m3fn: 3 mantissa bits, subnormal step
-``2**-9``); plus float32 rounding. Zeros stay exactly zero. A block holding an inf or NaN gets a
+``2**-9``); plus float32 rounding; divided by the predivisor with the sum (exact: the scales
+are divided). Zeros stay exactly zero. A block holding an inf or NaN gets a
 NaN scale, so all its elements arrive as NaN: the non-finite check on the float32 shards sees
 it. Over an axis of size 1 nothing is sent and nothing is quantized.
 
@@ -99,6 +124,34 @@ def check_wire_dtype(mode: str, wire_dtype: Any) -> None:
         )
 
 
+def mean_predivisor(count: int) -> int:
+    """The power of two a mean over ``count`` devices divides each device's values by as they
+    enter the sum: the smallest one ``>= count`` (1 for one device).
+
+    ``count`` finite values each divided by it sum to at most the largest of them, whatever the
+    order, so no partial sum overflows where the mean does not. The rest of the mean is a
+    division by ``count / mean_predivisor(count)`` (exact, dyadic) after the sum. Example::
+
+        mean_predivisor(8), mean_predivisor(6)   # 8, 8: a mean over 6 divides the sum by 0.75 after
+    """
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise ValueError(f"a mean is over a positive int count of devices, got {count!r}")
+    return 1 << (int(count) - 1).bit_length()
+
+
+def _check_predivide(predivide: int) -> int:
+    """Returns ``predivide`` if it is a power of two (the only divisors that round nothing)."""
+    if isinstance(predivide, bool) or not isinstance(predivide, (int, np.integer)) or predivide < 1 \
+            or predivide & (predivide - 1):
+        raise ValueError(f"predivide must be a power of two (dividing by it is exact), got {predivide!r}")
+    return int(predivide)
+
+
+def _predivided(x: jax.Array, predivide: int) -> jax.Array:
+    """``x / predivide`` in ``x``'s dtype (a power of two: exact outside the subnormals)."""
+    return x if predivide == 1 else x / jnp.asarray(predivide, x.dtype)
+
+
 def reduce_scatter_bucket(
     bucket: jax.Array,
     axis: AxisName,
@@ -107,11 +160,19 @@ def reduce_scatter_bucket(
     average: bool,
     block_size: int = 256,
     block_starts: Iterable[int] | None = None,
+    predivide: int = 1,
 ) -> jax.Array:
     """Reduce-scatters a 1-D bucket over ``axis`` and returns this device's float32 shard.
 
     ``bucket.size`` must be a multiple of the axis size. ``average=True`` divides the sum by
-    the axis size (in float32, after the sum, so ``"fp32_accum"`` keeps its precision).
+    the axis size: each device's values by :func:`mean_predivisor` of it as they are summed,
+    the rest in float32 after the sum (so ``"fp32_accum"`` keeps its precision, and a finite
+    mean stays finite; see the module docstring).
+
+    ``predivide`` (keyword-only, with ``average=False``): a power of two each device's values
+    are divided by as they are summed, so the result is the sum divided by it; for a caller
+    that finishes a mean over more devices itself (an outer :func:`all_reduce_shard`, then the
+    rest of the divisor), with ``predivide=mean_predivisor(all the devices summed)``.
 
     ``block_size`` and ``block_starts`` (keyword-only) apply to the quantized modes
     (``QUANTIZED_MODES``) and are ignored by the others: each chunk is cut into blocks every
@@ -126,26 +187,36 @@ def reduce_scatter_bucket(
     n = axis_size(axis)
     if bucket.shape[0] % n:
         raise ValueError(f"bucket of {bucket.shape[0]} elements does not split over {n} devices")
+    predivide = _check_predivide(predivide)
+    if average and predivide != 1:
+        raise ValueError("predivide is for a caller that finishes the mean itself: pass average=False with it")
+    if average:
+        predivide = mean_predivisor(n)
     if mode in QUANTIZED_MODES:
         blocks = block_partition(bucket.shape[0], n, block_size, block_starts)
     if n == 1:
-        shard = bucket.astype(jnp.float32)
+        shard = _predivided(bucket.astype(jnp.float32), predivide)
     elif mode == "bf16":
-        shard = jax.lax.psum_scatter(bucket, axis, scatter_dimension=0, tiled=True).astype(jnp.float32)
+        # Summed in the bucket's dtype, so divided in it: the only mode that must.
+        shard = jax.lax.psum_scatter(_predivided(bucket, predivide), axis, scatter_dimension=0,
+                                     tiled=True).astype(jnp.float32)
     elif mode == "fp32":
-        shard = jax.lax.psum_scatter(bucket.astype(jnp.float32), axis, scatter_dimension=0, tiled=True)
+        shard = jax.lax.psum_scatter(_predivided(bucket.astype(jnp.float32), predivide), axis,
+                                     scatter_dimension=0, tiled=True)
     elif mode == "fp32_accum_streamed":
-        shard = streamed_reduce_scatter(bucket, axis)
+        shard = streamed_reduce_scatter(bucket, axis, predivide=predivide)
     elif mode == "int8_accum_streamed":
-        shard = _quantized_streamed_reduce_scatter(bucket, axis, blocks, mode)
+        shard = _quantized_streamed_reduce_scatter(bucket, axis, blocks, mode, predivide)
     elif mode in QUANTIZED_MODES:
-        shard = _quantized_reduce_scatter(bucket, axis, blocks, mode)
+        shard = _quantized_reduce_scatter(bucket, axis, blocks, mode, predivide)
     else:  # fp32_accum
         chunks = bucket.reshape(n, bucket.shape[0] // n)
         # Row j of `received` is device j's copy of the chunk this device owns.
         received = jax.lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0, tiled=True)
-        shard = jnp.sum(received.astype(jnp.float32), axis=0)
-    return shard / n if average and n > 1 else shard
+        # Divided after the wire, in float32: no narrow dtype's subnormals are involved.
+        shard = jnp.sum(_predivided(received.astype(jnp.float32), predivide), axis=0)
+    # n / predivide is dyadic: this one rounding is dividing the undivided sum by n.
+    return shard / (n / predivide) if average and n != predivide else shard
 
 
 def wire_values(
@@ -182,8 +253,9 @@ def wire_values(
     return values.reshape(-1)
 
 
-def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
-    """fp32-accumulated reduce-scatter as ``axis_size - 1`` point-to-point steps.
+def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName, *, predivide: int = 1) -> jax.Array:
+    """fp32-accumulated reduce-scatter as ``axis_size - 1`` point-to-point steps; every chunk is
+    divided by the power of two ``predivide`` in float32 as it is added (the sum divided by it).
 
     At step ``s`` (1 <= s < n) device ``r`` sends the chunk owned by device ``(r + s) % n`` to
     that device and receives its own chunk from device ``(r - s) % n``, adding it into a float32
@@ -196,17 +268,19 @@ def streamed_reduce_scatter(bucket: jax.Array, axis: AxisName) -> jax.Array:
     instead, so the two agree to float32 rounding, not bit for bit.
     """
     n = axis_size(axis)
+    predivide = _check_predivide(predivide)
     chunks = bucket.reshape(n, bucket.shape[0] // n)
     rank = jax.lax.axis_index(axis)
     owned = lambda owner: jax.lax.dynamic_index_in_dim(chunks, owner % n, axis=0, keepdims=False)
-    accumulators = [owned(rank).astype(jnp.float32)]
+    term = lambda chunk: _predivided(chunk.astype(jnp.float32), predivide)
+    accumulators = [term(owned(rank))]
     for step in range(1, n):
         with jax.named_scope(f"step{step}"):
             send = owned(rank + step)
             if step > STREAM_DEPTH:
                 _, send = jax.lax.optimization_barrier((accumulators[step - STREAM_DEPTH], send))
             received = jax.lax.ppermute(send, axis, perm=[(j, (j + step) % n) for j in range(n)])
-            accumulators.append(accumulators[-1] + received.astype(jnp.float32))
+            accumulators.append(accumulators[-1] + term(received))
     return accumulators[-1]
 
 
@@ -372,9 +446,11 @@ def _quantize(x: jax.Array, blocks: BlockPartition, splits: jax.Array, compact: 
     return jnp.concatenate([payload, scale_bytes.reshape(*scales.shape[:-1], -1)], axis=-1)
 
 
-def _dequantize(wire: jax.Array, blocks: BlockPartition, splits: jax.Array, compact: jax.Array, mode: str) -> jax.Array:
+def _dequantize(wire: jax.Array, blocks: BlockPartition, splits: jax.Array, compact: jax.Array, mode: str,
+                predivide: int = 1) -> jax.Array:
     """float32 values ``[..., chunk]`` of received wire bytes ``int8[..., chunk + 4 * num_blocks]``
-    (leading axes: senders) of the chunk whose rows of ``blocks`` are ``splits``/``compact``."""
+    (leading axes: senders) of the chunk whose rows of ``blocks`` are ``splits``/``compact``,
+    divided by the power of two ``predivide``."""
     dtype, _ = _WIRE[mode]
     splits = jnp.asarray(splits, jnp.int32)  # stored narrow; compared as int32
     payload, scale_bytes = wire[..., : blocks.chunk], wire[..., blocks.chunk :]
@@ -382,6 +458,9 @@ def _dequantize(wire: jax.Array, blocks: BlockPartition, splits: jax.Array, comp
         payload = jax.lax.bitcast_convert_type(payload, dtype)
     lead = wire.shape[:-1]
     scales = jax.lax.bitcast_convert_type(scale_bytes.reshape(*lead, blocks.num_blocks, 4), jnp.float32)
+    # The scales are divided, not the values: payload * scale may round past float32's largest
+    # finite value at the top of its range, payload * (scale / predivide) cannot.
+    scales = _predivided(scales, predivide)
     if blocks.max_cuts:  # block scales -> the (cell, sub-block) table: compact's inverse
         table_size = blocks.num_cells * (blocks.max_cuts + 1)
         expand = jnp.zeros((table_size,), jnp.int32).at[compact].set(
@@ -397,8 +476,10 @@ def _row(table: np.ndarray, index: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(jnp.asarray(table), index, axis=0, keepdims=False)
 
 
-def _quantized_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPartition, mode: str) -> jax.Array:
-    """Quantize every chunk, one all-to-all of the bytes, dequantize and sum in float32."""
+def _quantized_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPartition, mode: str,
+                              predivide: int) -> jax.Array:
+    """Quantize every chunk, one all-to-all of the bytes, dequantize (divided by ``predivide``)
+    and sum in float32."""
     n = axis_size(axis)
     rank = jax.lax.axis_index(axis)
     with jax.named_scope("quantize"):
@@ -407,11 +488,13 @@ def _quantized_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPa
     # Row j of `received` is device j's quantized copy of the chunk this device owns.
     received = jax.lax.all_to_all(wire, axis, split_axis=0, concat_axis=0, tiled=True)
     with jax.named_scope("dequantize"):
-        values = _dequantize(received, blocks, _row(blocks.splits, rank), _row(blocks.compact, rank), mode)
+        values = _dequantize(received, blocks, _row(blocks.splits, rank), _row(blocks.compact, rank), mode,
+                             predivide)
         return jnp.sum(values, axis=0)
 
 
-def _quantized_streamed_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPartition, mode: str) -> jax.Array:
+def _quantized_streamed_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPartition, mode: str,
+                                       predivide: int) -> jax.Array:
     """:func:`streamed_reduce_scatter` with each sent chunk quantized just before its step.
 
     The own chunk is quantized and dequantized too, so the values summed are those of the
@@ -431,7 +514,7 @@ def _quantized_streamed_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks
 
     def dequantize(wire):
         with jax.named_scope("dequantize"):
-            return _dequantize(wire, blocks, own_splits, own_compact, mode)
+            return _dequantize(wire, blocks, own_splits, own_compact, mode, predivide)
 
     accumulators = [dequantize(quantize(owned(rank), rank))]
     for step in range(1, n):
@@ -473,10 +556,14 @@ def all_reduce_shard(shard: jax.Array, axis: AxisName, *, wire_dtype: jnp.dtype 
     ``wire_dtype`` (float32 by default, keeping an fp32-accumulated shard's precision; pass the
     gradient dtype for a bf16-wire baseline) and the result is float32, invariant along ``axis``.
 
-    Example (inside ``shard_map`` over ``("replica", "data")``)::
+    A mean over both axes divides before the sums (:func:`mean_predivisor` of all the devices
+    summed), so neither stage overflows where the mean does not.
 
-        shard = reduce_scatter_bucket(bucket, "data", mode="fp32_accum", average=False)
-        shard = all_reduce_shard(shard, "replica") / (4 * 2)   # mean over 8 devices
+    Example (inside ``shard_map`` over ``("replica", "data")`` of sizes 2 and 4)::
+
+        shard = reduce_scatter_bucket(bucket, "data", mode="fp32_accum", average=False,
+                                      predivide=mean_predivisor(2 * 4))
+        shard = all_reduce_shard(shard, "replica")   # the mean over 8 devices (8 / 8: no more division)
     """
     if shard.ndim != 1:
         raise ValueError(f"a bucket shard is 1-D, got shape {shard.shape}")

@@ -1,0 +1,200 @@
+"""A finite mean stays finite: at the float32 and float16 range limits, where the sum over the
+devices overflows and the mean does not, every reduce mode (and the hierarchical two-stage
+reduce) returns the float64 mean within its derived rounding bound, on 8 virtual CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_drain as jd
+from conftest import data_mesh
+from helpers import EPS32, assert_within, leaves_of
+from jax_drain import _compat
+from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition, mean_predivisor, reduce_scatter_bucket
+
+# float16's subnormal step is 2**-24: a value rounded to the subnormal grid moves by <= 2**-25.
+HALF_SUBNORMAL16 = 2.0 ** -25
+QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0}
+
+# A bucket's parts, each its own quantization blocks: (name, size, magnitudes as fractions of the
+# dtype's largest finite value, or None for ordinary mixed-sign values). "half": every device
+# sends the same sign, so the sum of 6 or 8 is 1.5 to 4 times the largest finite value; "top":
+# the mean is within 25% of it (further than any mode's rounding can move a mean).
+PARTS = (("half", 600, (0.25, 0.5)), ("top", 300, (0.75, 0.875)), ("ordinary", None, None))
+
+
+def _slices(size: int) -> dict[str, slice]:
+    out, start = {}, 0
+    for name, part, _ in PARTS:
+        stop = size if part is None else start + part
+        out[name] = slice(start, stop)
+        start = stop
+    return out
+
+
+def _values(rng: np.random.Generator, n: int, shape: tuple[int, ...], fractions, top: float) -> np.ndarray:
+    """``[n, *shape]`` float64: magnitudes in ``fractions`` of ``top`` with one sign per element
+    shared by the devices; or, for ``fractions=None``, mixed signs over six orders of magnitude."""
+    if fractions is None:
+        return rng.normal(size=(n, *shape)) * np.exp(rng.uniform(-3, 3, size=(n, *shape)))
+    return rng.choice([-1.0, 1.0], size=shape) * rng.uniform(*fractions, size=(n, *shape)) * top
+
+
+def _near_the_top(n: int, size: int, dtype, seed: int = 0) -> jax.Array:
+    """Per-device buckets ``[n, size]`` in ``dtype`` laid out as ``PARTS``."""
+    rng = np.random.default_rng(seed)
+    top = float(jnp.finfo(dtype).max)
+    x = np.zeros((n, size))
+    for (_, _, fractions), s in zip(PARTS, _slices(size).values()):
+        x[:, s] = _values(rng, n, (s.stop - s.start,), fractions, top)
+    return jnp.asarray(x, dtype)
+
+
+def _mean(stacked) -> tuple[np.ndarray, np.ndarray]:
+    """float64 mean over the devices and the mean of ``|x|`` (what a sum's rounding scales with)."""
+    x = np.asarray(stacked, np.float64)
+    return x.mean(axis=0), np.abs(x).mean(axis=0)
+
+
+def _mean_bound(mode: str, dtype, x: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """Per element, how far ``mode``'s mean over the ``n`` devices of ``x`` (float64 ``[n, ...]``,
+    every value already in the summed ``dtype``) may be from the float64 mean, from its roundings
+    (``u``: half the summed dtype's epsilon, ``m``: the mean of ``|x|``):
+
+    * a sum in float32, bf16 or float16: ``n - 1`` additions and the mean's division (two
+      roundings where XLA multiplies by the rounded reciprocal), ``(n + 1) u m``; in float16 also
+      the subnormals: each device's value divided by ``p`` and each partial sum may round to
+      the subnormal grid, ``2**-25`` each before the mean's ``p / n`` (the pre-divide's one cost);
+    * quantized (``scales``: each device's scale ``s`` of the element's block): each device's
+      rounding in its block (int8: ``s / 2``; fp8: ``|x| / 16 + s / 1024``) over ``n``, plus the
+      float32 sum's ``n + 1`` roundings and the quantizer's three of float32 per value (the
+      quotient by the scale, the scale, the product) of ``m + mean(s)``: within ``2 (n + 1) u``.
+    """
+    n = x.shape[0]
+    magnitude = np.abs(x).mean(axis=0)
+    if mode in QUANTIZED_MODES:
+        own = scales / 2 if mode.startswith("int8") else np.abs(x) / 16 + scales / 1024
+        return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + scales.mean(axis=0))
+    summed = jnp.dtype(dtype) if mode == "bf16" else jnp.dtype(jnp.float32)
+    bound = (n + 1) * float(jnp.finfo(summed).eps) / 2 * magnitude
+    if summed == jnp.float16:
+        bound = bound + (2 * n - 1) * mean_predivisor(n) / n * HALF_SUBNORMAL16
+    return bound
+
+
+def _bound(mode: str, stacked, blocks: np.ndarray) -> np.ndarray:
+    """:func:`_mean_bound` of a bucket ``stacked`` whose quantization blocks start at ``blocks``."""
+    x = np.asarray(stacked, np.float64)
+    scales = None
+    if mode in QUANTIZED_MODES:
+        scales = np.concatenate([np.repeat(np.abs(x[:, a:b]).max(axis=1, keepdims=True) / QMAX[mode], b - a, axis=1)
+                                 for a, b in zip(blocks, [*blocks[1:], x.shape[1]])], axis=1)
+    return _mean_bound(mode, stacked.dtype, x, scales)
+
+
+def _run(mode: str, stacked: jax.Array, **options) -> np.ndarray:
+    """The mean over the first ``stacked.shape[0]`` CPU devices: the whole reduced bucket."""
+    fn = jax.jit(_compat.shard_map(
+        lambda x: reduce_scatter_bucket(x[0], "data", mode=mode, **options),
+        mesh=data_mesh(stacked.shape[0]), in_specs=P("data"), out_specs=P("data")))
+    return np.asarray(fn(stacked))
+
+
+# float16 buckets overflow only where they are summed in float16 ("bf16"); the other modes sum
+# in float32, which 8 float16 values cannot overflow.
+CASES = [(m, d) for m in REDUCE_MODES for d in (jnp.float32, jnp.bfloat16)] + [("bf16", jnp.float16)]
+
+
+@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("mode,dtype", CASES, ids=[f"{m}-{jnp.dtype(d).name}" for m, d in CASES])
+def test_mean_near_the_largest_finite_value_stays_finite(mode, dtype, n):
+    """Each device's values near half (and three quarters of) its dtype's largest finite value:
+    the sum over the devices overflows, the mean does not; every element of the mean is finite
+    and within its rounding bound of the float64 mean (the ordinary part too: divided once)."""
+    size = n * 256
+    stacked = _near_the_top(n, size, dtype, seed=n)
+    starts = tuple(s.start for s in _slices(size).values())
+    options = dict(block_starts=starts) if mode in QUANTIZED_MODES else {}
+    out = _run(mode, stacked, average=True, **options)
+    x = np.asarray(stacked, np.float64)
+    assert np.all(np.abs(x.sum(axis=0)[_slices(size)["half"]]) > 1.5 * float(jnp.finfo(dtype).max))
+    assert np.all(np.isfinite(out)), f"{mode}: {np.sum(~np.isfinite(out))} elements of a finite mean not finite"
+    blocks = block_partition(size, n, 256, starts).bucket_starts()
+    ref, _ = _mean(stacked)
+    what = f"{mode}, {jnp.dtype(dtype).name}, n={n}"
+    assert_within({k: out[s] for k, s in _slices(size).items()}, {k: ref[s] for k, s in _slices(size).items()},
+                  {k: b[s] for b in [_bound(mode, stacked, blocks)] for k, s in _slices(size).items()}, what=what)
+
+
+@pytest.mark.parametrize("n", [8, 6, 3])
+@pytest.mark.parametrize("mode", REDUCE_MODES)
+def test_mean_is_the_sums_one_division_bit_for_bit(mode, n):
+    """Ordinary values: the mean is bit for bit the float32 sum divided by ``n`` as XLA divides
+    by a constant (on CPU: times float32 ``1 / n``), for a power-of-two ``n`` and not: the
+    pre-divide by a power of two rounds nothing (dividing by ``n`` before the sum would round
+    every term where ``n`` is not a power of two).
+
+    ``"fp32_accum"`` sums with one XLA reduce, whose order XLA picks per program (on CPU the
+    fused division makes it another loop): there the two agree to a reordered float32 sum,
+    ``n - 1`` roundings of the mean of ``|x|`` each, and the division's one each."""
+    stacked = jnp.asarray(_values(np.random.default_rng(n), n, (n * 512,), None, 1.0), jnp.float32)
+    total = _run(mode, stacked, average=False)
+    mean = _run(mode, stacked, average=True)
+    undivided = np.asarray(jax.jit(lambda t: t / n)(total))
+    if mode == "fp32_accum":
+        _, magnitude = _mean(stacked)
+        assert_within(mean, undivided, n * EPS32 * magnitude, what=f"{mode}, n={n}")
+    else:
+        np.testing.assert_array_equal(mean, undivided)
+
+
+# -- the hierarchical reduce: reduce-scatter over "data", all-reduce over "replica" -------------
+
+PARAMS = {"half": jax.ShapeDtypeStruct((20, 30), jnp.float32), "top": jax.ShapeDtypeStruct((300,), jnp.float32),
+          "ordinary": jax.ShapeDtypeStruct((13, 29), jnp.float32)}
+# (reduce mode, wire dtype): every mode on float32's range, and the float16 wire, the one whose
+# range a float32 model's gradients can reach (summed in float16 by "bf16", outer stage too).
+SYNC_CASES = [(m, None) for m in REDUCE_MODES] + [("bf16", jnp.float16)]
+
+
+def _sync_grads(n: int, top_dtype, seed: int) -> dict[str, jax.Array]:
+    """float32 gradients ``[n, *shape]`` per leaf of ``PARAMS``, as ``PARTS`` describes (relative to
+    ``top_dtype``'s largest finite value), every value representable in ``top_dtype``."""
+    rng = np.random.default_rng(seed)
+    top = float(jnp.finfo(top_dtype).max)
+    return {name: jnp.asarray(jnp.asarray(_values(rng, n, PARAMS[name].shape, fractions, top), top_dtype), jnp.float32)
+            for name, _, fractions in PARTS}
+
+
+def _sync_bound(mode: str, wire, g: np.ndarray) -> np.ndarray:
+    """:func:`_mean_bound` of one float32 leaf's gradients ``g`` (float64 ``[n, ...]``) sent on
+    ``wire``; a quantized block lies inside a leaf, so its scale is at most the leaf's largest
+    value on that device over ``QMAX``."""
+    scales = None
+    if mode in QUANTIZED_MODES:
+        leaf_max = np.abs(g).reshape(g.shape[0], -1).max(axis=1).reshape((-1,) + (1,) * (g.ndim - 1))
+        scales = np.broadcast_to(leaf_max / QMAX[mode], g.shape)
+    return _mean_bound(mode, wire or jnp.float32, g, scales)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (3, 2)], ids=["2x4", "3x2"])
+@pytest.mark.parametrize("mode,wire", SYNC_CASES, ids=[f"{m}-{jnp.dtype(w).name if w else 'own'}" for m, w in SYNC_CASES])
+def test_hierarchical_mean_near_the_largest_finite_value_stays_finite(mode, wire, shape):
+    """``GradSync`` with an outer axis: the reduce-scatter over ``"data"`` and the all-reduce over
+    ``"replica"`` each sum values whose total overflows; the mean over all the devices (6: not a
+    power of two) is finite and within its rounding bound of the float64 mean."""
+    n = shape[0] * shape[1]
+    mesh = Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), ("replica", "data"))
+    sync = jd.GradSync(PARAMS, mesh, outer_axis="replica", reduce=mode, wire_dtype=wire)
+    grads = _sync_grads(n, wire or jnp.float32, seed=n)
+    fn = jax.jit(_compat.shard_map(lambda g: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g)), mesh=mesh,
+                                   in_specs=P(("replica", "data")), out_specs=sync.shard_specs()))
+    got = leaves_of(sync, fn(grads))
+    x = {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    assert np.all(np.abs(x["half"].sum(axis=0)) > 1.5 * float(jnp.finfo(wire or jnp.float32).max))
+    for k, g in got.items():
+        assert np.all(np.isfinite(g)), f"{mode}: {k} has {np.sum(~np.isfinite(g))} elements of a finite mean not finite"
+    assert_within(got, {k: g.mean(axis=0) for k, g in x.items()},
+                  {k: _sync_bound(mode, wire, g) for k, g in x.items()}, what=f"{mode}, wire {wire}, mesh {shape}")
