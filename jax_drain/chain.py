@@ -886,7 +886,9 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
         total, count, acc, state, carried = carry
         step, shards, carried = run(state, carried, *micro)
         weighted.append(step.count is not None)
-        acc = [a + s for a, s in zip(acc, shards)]
+        # A mean's terms enter pre-divided (exactly, by a power of two): no partial sum overflows.
+        scale = 1 if step.count is not None else mean_predivisor(k)
+        acc = [a + s / scale for a, s in zip(acc, shards)]
         count = count + (1.0 if step.count is None else step.count)
         return (total + step.total, count, acc, step.state, carried), step.aux
 
@@ -894,7 +896,8 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
         one, (scalar(), scalar(), zeros, state, carried), (args, kwargs))
     if weighted[0]:
         return LocalStep(total, count, aux, state), acc, carried
-    return LocalStep(total / k, None, aux, state), [a / k for a in acc], carried
+    rest = k / mean_predivisor(k)
+    return LocalStep(total / k, None, aux, state), [a / rest for a in acc], carried
 
 
 def _whole(bucket: jax.Array) -> jax.Array:

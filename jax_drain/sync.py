@@ -61,7 +61,7 @@ from jax_drain import _compat, zero3
 from jax_drain.chain import (
     SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
 )
-from jax_drain.collectives import check_mode, check_wire_dtype
+from jax_drain.collectives import check_mode, check_wire_dtype, mean_predivisor
 from jax_drain.drain import drain_depth
 from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
@@ -462,7 +462,9 @@ class GradSync(ChainedSync):
             check_loss_varies(out.total, self.data_axes)
             weighted.append(out.count is not None)
             grads = [_compat.mark_varying(g, ax) for g, ax in zip(jax.tree.leaves(grads), axes)]
-            acc = [s + g.astype(s.dtype) for s, g in zip(acc, grads)]
+            # A mean's terms enter pre-divided (exactly, by a power of two): no partial sum overflows.
+            scale = 1 if out.count is not None else mean_predivisor(k)
+            acc = [s + g.astype(s.dtype) / scale for s, g in zip(acc, grads)]
             count = count + (1.0 if out.count is None else out.count)
             return (total + out.total, count, acc, out.state), out.aux
 
@@ -470,7 +472,8 @@ class GradSync(ChainedSync):
         if weighted[0]:  # sums: finish() divides by the global count
             grads, out = acc, LocalStep(total, count, aux, state)
         else:  # the mean, in the accumulator's precision
-            grads, out = [s / k for s in acc], LocalStep(total / k, None, aux, state)
+            rest = k / mean_predivisor(k)
+            grads, out = [s / rest for s in acc], LocalStep(total / k, None, aux, state)
         grads = [g.astype(p.dtype) for g, p in zip(grads, leaves)]
         return out, jax.tree.unflatten(self._treedef, grads)
 

@@ -5,6 +5,7 @@ reduce) returns the float64 mean within its derived rounding bound, on 8 virtual
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -198,3 +199,31 @@ def test_hierarchical_mean_near_the_largest_finite_value_stays_finite(mode, wire
         assert np.all(np.isfinite(g)), f"{mode}: {k} has {np.sum(~np.isfinite(g))} elements of a finite mean not finite"
     assert_within(got, {k: g.mean(axis=0) for k, g in x.items()},
                   {k: _sync_bound(mode, wire, g) for k, g in x.items()}, what=f"{mode}, wire {wire}, mesh {shape}")
+
+
+@pytest.mark.parametrize("microbatches", [2, 3])
+@pytest.mark.parametrize("shard_params", [False, True], ids=["local_sum", "zero3_shard_sum"])
+def test_micro_batch_mean_near_the_largest_finite_value_stays_finite(shard_params, microbatches):
+    """Each micro-batch's gradient is near float32's largest value, their sum is not finite,
+    their mean is: the step neither skips nor moves by inf. The gradient of ``mean(x @ w)`` is
+    the mean of the rows of ``x``: summed per device over its micro-batches (or, ZeRO-3, as
+    reduced shards), then over the devices."""
+    top = float(jnp.finfo(jnp.float32).max)
+    rng = np.random.default_rng(3)
+    rows = 8 * microbatches * 2
+    sign = rng.choice([-1.0, 1.0], size=(1, 16))
+    x = sign * rng.uniform(0.6, 0.9, size=(rows, 16)) * top
+    lr = 2.0 ** -125  # the smallest normal float32s: moves w by about its own size
+    params = {"w": jnp.asarray(rng.normal(size=(16,)), jnp.float32)}
+    step = jd.make_train_step(params, lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(lr), data_mesh(8),
+                              jd.TrainConfig(microbatches=microbatches, shard_params=shard_params, bucket_size=8))
+    state, metrics = step(step.init(), {"x": np.asarray(x, np.float32)})
+    assert not bool(metrics.skipped) and int(metrics.nonfinite_buckets) == 0
+    want = np.asarray(params["w"], np.float64) - lr * np.asarray(x, np.float32).astype(np.float64).mean(axis=0)
+    got = np.asarray(jax.device_get(step.master_params(state)["w"]), np.float64)
+    # The mean of the rows: its additions (rows per micro-batch, micro-batches, devices) and divisions
+    # round by EPS32 each, relative to the mean of |x|; the update and the parameter by two more.
+    roundings = rows // (8 * microbatches) + microbatches + 8 + 3
+    bound = lr * roundings * EPS32 * np.abs(x).mean(axis=0) + 2 * EPS32 * np.abs(want)
+    assert np.all(np.isfinite(got))
+    assert_within({"w": got}, {"w": want}, {"w": bound}, what="parameters after one step")
