@@ -23,6 +23,8 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
   when complete, so a kill at any moment leaves the previous steps restorable;
   :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
   next step may donate them) and writes in the background.
+* **The description is checksummed too**: ``extra`` and the layout descriptions are covered by
+  a checksum of the description; an edited description is refused as damage, like an array.
 
 A checkpoint of another model (other parameter paths or shapes) is refused before any array is
 read, saying what differs; saving into a directory that holds another model's checkpoints, or
@@ -64,7 +66,9 @@ from jax_drain.optimizer import DistState
 
 PyTree = Any
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+# Format 3 descriptions carry no checksum of their own; they are read without that check.
+_READABLE_FORMATS = (3, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
@@ -200,11 +204,12 @@ def save_checkpoint_async(
             f"{directory} already has step {step}; nothing was overwritten. Save under another step "
             "or delete that step's directory first."
         )
-    json.dumps(extra or {})  # fail before writing anything if extra is not JSON-serialisable
+    extra = _json_extra(extra)
     keys = [leaf[0] for leaf in description["leaves"]]
     arrays = dict(zip(keys, jax.tree.leaves(state)))
     checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
-    meta = {**description, "step": step, "extra": extra or {}, "checksums": checksums}
+    meta = {**description, "step": step, "extra": extra, "checksums": checksums}
+    meta["digest"] = _digest(meta)
     ocp = _orbax(directory)
     options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
@@ -234,7 +239,9 @@ def restore_checkpoint(
     Raises:
         FileNotFoundError: no such checkpoint.
         CheckpointMismatchError: the checkpoint was saved from a different model.
-        CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged.
+        CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged: a file
+            unreadable, or an array or the description (``extra`` and the layouts included) not
+            matching its checksum.
     """
     directory = pathlib.Path(directory).absolute()
     steps = _steps(directory)
@@ -255,6 +262,18 @@ def restore_checkpoint(
 
 
 # -- internals ----------------------------------------------------------------------------------
+
+
+def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as it will read back (JSON: tuples become lists, keys strings); raises before
+    anything is written if it is not JSON-serialisable."""
+    return json.loads(json.dumps(extra or {}))
+
+
+def _digest(meta: dict[str, Any]) -> str:
+    """The checksum of a description (everything in it but the checksum itself)."""
+    body = {key: value for key, value in meta.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
@@ -557,11 +576,14 @@ def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
             raise CheckpointCorruptError(_corrupt(directory, step, reason)) from e
     if not isinstance(meta, dict) or "format" not in meta:
         raise CheckpointCorruptError(_corrupt(directory, step, f"not a jax_drain description: {str(meta)[:60]!r}"))
-    if meta["format"] != FORMAT_VERSION:
+    if meta["format"] not in _READABLE_FORMATS:
         raise CheckpointMismatchError(
             f"checkpoint step {step} in {directory} has format {meta.get('format')!r}; this "
-            f"jax_drain reads format {FORMAT_VERSION}"
+            f"jax_drain reads formats {list(_READABLE_FORMATS)}"
         )
+    if meta["format"] == FORMAT_VERSION and meta.get("digest") != _digest(meta):
+        raise CheckpointCorruptError(_corrupt(directory, step, "it does not match its checksum: it was edited or "
+                                                                "damaged after saving"))
     leaves = meta.get("leaves")
     if not (isinstance(meta.get("fingerprint"), str) and isinstance(meta.get("layouts"), list)
             and isinstance(leaves, list) and all(isinstance(x, list) and len(x) == 4 for x in leaves)):

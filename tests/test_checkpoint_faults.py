@@ -1,0 +1,74 @@
+"""Checkpoint faults a hostile user finds, each refused or reported, none silent: an edited
+description."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_drain as jd
+from conftest import data_mesh
+
+
+# -- the description is checksummed -----------------------------------------------------------------
+
+D, H = 8, 16
+
+
+def _dist_step(bucket_size):
+    rng = np.random.default_rng(0)
+    params = {"w_in": rng.normal(size=(D, H)).astype(np.float32), "w_out": rng.normal(size=(H, D)).astype(np.float32),
+              "norm": np.ones(D, np.float32)}
+    loss = lambda p, b: jnp.mean((jnp.tanh((b["x"] * p["norm"]) @ p["w_in"]) @ p["w_out"] - b["y"]) ** 2)
+    batch = {"x": np.ones((16, D), np.float32), "y": np.ones((16, D), np.float32)}
+    step = jd.make_train_step(params, loss, jd.adamw(1e-2), data_mesh(8), jd.TrainConfig(bucket_size=bucket_size),
+                              example_batch=batch)
+    return step, params
+
+
+def _edit_extra(meta):
+    meta["extra"]["data_position"] = 99
+
+
+def _edit_layout(meta):
+    # Two buckets of the same size swapped: a re-lay would read one parameter's shard as the other's.
+    layout = json.loads(meta["layouts"][0]["description"])
+    buckets = layout[0]["buckets"]
+    buckets[0], buckets[1] = buckets[1], buckets[0]
+    meta["layouts"][0]["description"] = json.dumps(layout)
+
+
+def _edit_checksum(meta):
+    key = next(iter(meta["checksums"]))
+    meta["checksums"][key] = "0" * 64
+
+
+EDITS = {"extra": _edit_extra, "layout": _edit_layout, "array_checksum": _edit_checksum}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_description_is_refused_and_the_previous_step_restored(edit, tmp_path):
+    saving, params = _dist_step(60)
+    moved, _ = _dist_step(200)  # another layout: the saved layout description says where elements go
+    state = saving.init(params)
+    directory = tmp_path / "ckpt"
+    for step in (1, 2):
+        jd.save_checkpoint(directory, state, step=step, extra={"data_position": step})
+    metadata = directory / "2" / "jax_drain" / "metadata"
+    meta = json.loads(metadata.read_text())
+    assert len(json.loads(meta["layouts"][0]["description"])[0]["buckets"]) == 3
+    EDITS[edit](meta)
+    metadata.write_text(json.dumps(meta))
+    message = (rf"{re.escape(str(directory / '2'))} is damaged: its description {re.escape(str(metadata))} "
+               r"is unreadable \(it does not match its checksum: it was edited or damaged after saving\)")
+    with pytest.raises(jd.CheckpointCorruptError, match=message):
+        jd.restore_checkpoint(directory, moved.abstract_state(), step=2)
+    with pytest.warns(UserWarning, match=message):
+        restored, extra = jd.restore_checkpoint(directory, moved.abstract_state())
+    assert extra == {"data_position": 1}
+    np.testing.assert_array_equal(jax.device_get(restored.params["w_in"]), params["w_in"])
+    with pytest.raises(jd.CheckpointCorruptError, match=re.escape(str(metadata))):  # nor saved next to
+        jd.save_checkpoint(directory, state, step=3)
