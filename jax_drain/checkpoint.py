@@ -241,7 +241,7 @@ def restore_checkpoint(
         CheckpointMismatchError: the checkpoint was saved from a different model.
         CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged: a file
             unreadable, or an array or the description (``extra`` and the layouts included) not
-            matching its checksum.
+            matching its checksum. The error names the file.
     """
     directory = pathlib.Path(directory).absolute()
     steps = _steps(directory)
@@ -314,15 +314,8 @@ def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], s
     with _read_only_manager(ocp, directory) as manager:
         try:
             arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
-        except Exception:  # noqa: BLE001 - find which array file is unreadable
-            arrays = {}
-            for key, value in abstract.items():
-                try:
-                    one = manager.restore(step, args=ocp.args.Composite(**{
-                        _STATE: ocp.args.PyTreeRestore({key: value}, partial_restore=True)}))[_STATE]
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"unreadable ({type(e).__name__})")) from e
-                arrays[key] = one[key]
+        except Exception as e:  # noqa: BLE001 - find which file is unreadable
+            raise CheckpointCorruptError(_unreadable(directory, step, abstract, saved, e)) from e
     checksums = saved.get("checksums", {})
     for key, array in arrays.items():
         if checksums.get(key) != _checksum(jax.device_get(array)):
@@ -330,10 +323,71 @@ def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], s
     return arrays
 
 
-def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str) -> str:
+def _unreadable(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any],
+                error: Exception) -> str:
+    """What orbax could not read in the step's arrays, naming the damaged file or array.
+
+    First the JSON files orbax needs (the item's tree and array metadata, each array's
+    ``.zarray``), then each array alone: one read of them all failing does not say which.
+    """
+    item = directory / str(step) / _STATE
+    for path in [item / "_METADATA", *sorted((item / "array_metadatas").glob("*"))]:
+        reason = _not_json(path)
+        if reason:
+            return _bad_file(directory, step, path, f"(orbax's metadata of the arrays) is {reason}")
+    for key in abstract:
+        reason = _not_json(item / key / ".zarray")
+        if reason:
+            return _bad_array(directory, step, key, saved, f"is unreadable: its metadata is {reason}",
+                              item / key / ".zarray")
+    ocp = _orbax(directory)
+    with _expected_orbax_notes(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+        for key, value in abstract.items():
+            one = {key: value}
+            args = ocp.args.PyTreeRestore(one, restore_args=ocp.checkpoint_utils.construct_restore_args(one),
+                                          partial_restore=True)
+            try:
+                checkpointer.restore(item, args=args)
+            except Exception as e:  # noqa: BLE001
+                return _bad_array(directory, step, key, saved, f"is unreadable ({_first_line(e)})")
+    return _bad_file(directory, step, item, f"is unreadable ({_first_line(error)}), though each array reads alone")
+
+
+def _not_json(path: pathlib.Path) -> str:
+    """Why ``path`` is not a JSON file ('' if it is one)."""
+    try:
+        json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as e:
+        return f"not JSON ({type(e).__name__})"
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of the innermost cause: orbax wraps tensorstore's error, which names the file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str,
+               file: pathlib.Path | None = None) -> str:
     path = next((p for k, p, *_ in saved["leaves"] if k == key), key)
-    return (f"checkpoint step {directory / str(step)}: array {path!r} (file {directory / str(step) / _STATE / key}) "
-            f"{what}; the file was damaged after saving.")
+    file = file or directory / str(step) / _STATE / key
+    return f"checkpoint step {directory / str(step)}: array {path!r} (file {file}) {what}; {_damaged_advice(directory, step)}"
+
+
+def _bad_file(directory: pathlib.Path, step: int, file: pathlib.Path, what: str) -> str:
+    return f"checkpoint step {directory / str(step)}: file {file} {what}; {_damaged_advice(directory, step)}"
+
+
+def _damaged_advice(directory: pathlib.Path, step: int) -> str:
+    others = [s for s in _steps(directory) if s != step]
+    return ("the file was damaged after saving. "
+            + (f"Restore another step (step=..., saved: {others}) or remove that step directory." if others
+               else f"No other step is saved in {directory}."))
 
 
 def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

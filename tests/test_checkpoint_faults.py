@@ -1,16 +1,49 @@
 """Checkpoint faults a hostile user finds, each refused or reported, none silent: an edited
-description."""
+description, a damaged file reported under its own name."""
 
 import json
+import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
+
+
+def _state(value: float) -> dict:
+    return {"a": jnp.arange(6.0) + value, "b": jnp.full(3, value, jnp.bfloat16), "c": jnp.zeros(4) + value}
+
+
+def _target() -> dict:
+    whole = NamedSharding(Mesh(np.array(jax.devices("cpu")[:1]), ("x",)), P())
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole) for k, v in _state(0).items()}
+
+
+def _restored_value(directory, **kwargs) -> float:
+    state, _ = jd.restore_checkpoint(directory, _target(), **kwargs)
+    return float(state["c"][0])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 2 and 4 of the small state (values 2 and 4), saved once; tests work on copies."""
+    directory = tmp_path_factory.mktemp("saved")
+    for value in (2, 4):
+        jd.save_checkpoint(directory, _state(value), step=value, extra={"data_position": value})
+    return directory
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved, directory)
+    return directory
 
 
 # -- the description is checksummed -----------------------------------------------------------------
@@ -72,3 +105,37 @@ def test_an_edited_description_is_refused_and_the_previous_step_restored(edit, t
     np.testing.assert_array_equal(jax.device_get(restored.params["w_in"]), params["w_in"])
     with pytest.raises(jd.CheckpointCorruptError, match=re.escape(str(metadata))):  # nor saved next to
         jd.save_checkpoint(directory, state, step=3)
+
+
+# -- a damaged file named as itself ------------------------------------------------------------------
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+# (file to damage under the step, how, what the error must name): arrays a, b, c; b is damaged, a
+# is intact and read first.
+DAMAGE = {
+    "chunk_truncated": ("state/b/0", _truncate, r"array 'b' \(file {step}/state/b\) is unreadable \(.*state/b/0"),
+    "chunk_deleted": ("state/b/0", os.unlink, r"array 'b' \(file {step}/state/b\) is unreadable"),
+    "zarray_truncated": ("state/b/.zarray", _truncate,
+                         r"array 'b' \(file {step}/state/b/\.zarray\) is unreadable: its metadata is not JSON"),
+    "zarray_deleted": ("state/b/.zarray", os.unlink,
+                       r"array 'b' \(file {step}/state/b/\.zarray\) is unreadable: its metadata is missing"),
+    "tree_metadata_truncated": ("state/_METADATA", _truncate, r"file {step}/state/_METADATA \(.*\) is not JSON"),
+    "tree_metadata_deleted": ("state/_METADATA", os.unlink, r"file {step}/state/_METADATA \(.*\) is missing"),
+    "array_metadata_truncated": ("state/array_metadatas/process_0", _truncate,
+                                 r"file {step}/state/array_metadatas/process_0 \(.*\) is not JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_file_is_reported_under_its_own_name(damage, copy):
+    file, spoil, message = DAMAGE[damage]
+    spoil(copy / "4" / file)
+    message = message.format(step=re.escape(str(copy / "4")))
+    with pytest.raises(jd.CheckpointCorruptError, match=message):
+        jd.restore_checkpoint(copy, _target(), step=4)
+    with pytest.warns(UserWarning, match=message):
+        assert _restored_value(copy) == 2
