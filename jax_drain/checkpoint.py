@@ -23,12 +23,16 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
   when complete, so a kill at any moment leaves the previous steps restorable;
   :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
   next step may donate them) and writes in the background.
+* **Steps in order**: a step must come after the newest saved one, so the newest step is
+  always the latest save; to go on from an earlier step you restored, pass
+  ``supersede_newer=True``, which moves the newer steps to ``<directory>/superseded/``.
 * **The description is checksummed too**: ``extra`` and the layout descriptions are covered by
   a checksum of the description; an edited description is refused as damage, like an array.
 
 A checkpoint of another model (other parameter paths or shapes) is refused before any array is
-read, saying what differs; saving into a directory that holds another model's checkpoints, or
-over an existing step, is refused before anything is written.
+read, saying what differs; saving into a directory that holds another model's checkpoints, over
+an existing step, before the newest step, or a state that is not arrays, is refused before
+anything is written.
 
 Example::
 
@@ -48,6 +52,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import pathlib
 import re
@@ -70,6 +75,7 @@ FORMAT_VERSION = 4
 # Format 3 descriptions carry no checksum of their own; they are read without that check.
 _READABLE_FORMATS = (3, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
+_SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it replaces
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
 _SHARD = re.compile(r"^(.*/(?:master|shards))/(\d+)$")
@@ -82,6 +88,11 @@ class CheckpointMismatchError(ValueError):
 class CheckpointCorruptError(CheckpointMismatchError):
     """A checkpoint step is damaged: its description or an array file is unreadable or does
     not match its checksum."""
+
+
+class _StepExistsError(FileExistsError, ValueError):
+    """The step is saved already: a ``FileExistsError`` and, like every step out of order, a
+    ``ValueError``."""
 
 
 def state_description(state: PyTree) -> dict[str, Any]:
@@ -128,21 +139,44 @@ def save_checkpoint(
     step: int | None = None,
     extra: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
+    supersede_newer: bool = False,
 ) -> pathlib.Path:
     """Saves ``state`` as step ``step`` of ``directory``; returns the step's directory.
 
+    Steps are saved in increasing order, so the newest step is the latest save and what
+    :func:`restore_checkpoint` restores. Going on from an earlier step (restored with
+    ``step=``) is a branch: pass ``supersede_newer=True`` and the steps at or after ``step``
+    move to ``<directory>/superseded/<step>`` (no longer restored; delete them when you no
+    longer need them).
+
+    Example::
+
+        state, extra = jd.restore_checkpoint("/ckpt/run1", step.abstract_state(), step=100)
+        ...  # train on from step 100: steps 200, 300 of the old run are now superseded
+        jd.save_checkpoint("/ckpt/run1", state, step=150, supersede_newer=True)
+
     Args:
         directory: the run's checkpoint directory (created if missing).
-        state: any pytree of ``jax.Array``s, typically a :class:`~jax_drain.TrainState`.
-        step: the step number; defaults to ``state.step``.
+        state: any pytree of ``jax.Array``s (or numpy arrays), typically a
+            :class:`~jax_drain.TrainState`; not an abstract state.
+        step: the step number, 0 or more, after the newest saved step; defaults to ``state.step``.
         extra: JSON-serialisable data stored alongside (e.g. the data loader's position).
-        max_to_keep: keep only this many newest steps (older ones are deleted after saving).
+        max_to_keep: keep only this many newest steps, 1 or more (older ones are deleted after
+            saving); ``None`` keeps every step.
+        supersede_newer: move the saved steps at or after ``step`` aside (to
+            ``<directory>/superseded/``) instead of refusing the save.
 
     Raises:
         CheckpointMismatchError: ``directory`` holds checkpoints of a different state layout.
-        FileExistsError: step ``step`` is already saved. Nothing is written in either case.
+        ValueError: ``step`` is negative, or not after the newest saved step (without
+            ``supersede_newer``), or ``max_to_keep`` is below 1. A step saved already raises a
+            ``FileExistsError`` that is also a ``ValueError``.
+        TypeError: a leaf of ``state`` is not an array (a ``jax.ShapeDtypeStruct``, a Python
+            number), or ``extra`` is not JSON-serialisable. Nothing is written in any of these cases.
     """
-    return save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep).wait()
+    pending = save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep,
+                                    supersede_newer=supersede_newer)
+    return pending.wait()
 
 
 class PendingSave:
@@ -170,6 +204,7 @@ def save_checkpoint_async(
     step: int | None = None,
     extra: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
+    supersede_newer: bool = False,
 ) -> PendingSave:
     """:func:`save_checkpoint` that returns once the arrays are copied to the host.
 
@@ -184,11 +219,10 @@ def save_checkpoint_async(
         pending.wait()
     """
     directory = pathlib.Path(directory).absolute()
-    if step is None:
-        if not hasattr(state, "step"):
-            raise ValueError("pass step=...: the state has no .step field")
-        step = int(jax.device_get(state.step))
-    step = int(step)
+    _check_leaves(state)
+    step = _step_number(state, step)
+    _check_max_to_keep(max_to_keep)
+    extra = _json_extra(extra)
     description = state_description(state)
     existing = _steps(directory)
     if existing:
@@ -199,24 +233,15 @@ def save_checkpoint_async(
                 f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
                 f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
             )
-    if step in existing:
-        raise FileExistsError(
-            f"{directory} already has step {step}; nothing was overwritten. Save under another step "
-            "or delete that step's directory first."
-        )
-    extra = _json_extra(extra)
+    _check_order(directory, step, existing, supersede_newer)
     keys = [leaf[0] for leaf in description["leaves"]]
     arrays = dict(zip(keys, jax.tree.leaves(state)))
     checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
     meta = {**description, "step": step, "extra": extra, "checksums": checksums}
     meta["digest"] = _digest(meta)
-    ocp = _orbax(directory)
-    options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
-    manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
-    manager.save(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
-    }))
-    return PendingSave(manager, directory / str(step))
+    if supersede_newer:
+        _supersede(directory, [s for s in existing if s >= step])
+    return PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step))
 
 
 def restore_checkpoint(
@@ -274,6 +299,104 @@ def _digest(meta: dict[str, Any]) -> str:
     """The checksum of a description (everything in it but the checksum itself)."""
     body = {key: value for key, value in meta.items() if key != "digest"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _check_leaves(state: PyTree) -> None:
+    """Every leaf of ``state`` holds values: a ``jax.Array`` or a numpy array."""
+    for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state)):
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"save_checkpoint: state leaf {path!r} is a jax.ShapeDtypeStruct: an abstract state has no values "
+                "to save. Pass the state itself (what step.init() or a train step returns), not "
+                "step.abstract_state(); nothing was written."
+            )
+        raise TypeError(
+            f"save_checkpoint: state leaf {path!r} is a {type(leaf).__name__} ({leaf!r:.40}), not an array: "
+            "a checkpoint restores arrays placed with shardings. Keep it in the state as an array "
+            "(jnp.asarray(x)), or pass plain values in extra={...}; nothing was written."
+        )
+
+
+def _step_number(state: PyTree, step: Any) -> int:
+    """``step`` (or ``state.step``) as an int, 0 or more."""
+    if step is None:
+        if not hasattr(state, "step"):
+            raise ValueError("pass step=...: the state has no .step field")
+        step = jax.device_get(state.step)
+    try:
+        if isinstance(step, bool) or np.ndim(step) != 0:
+            raise TypeError
+        number = operator.index(step)
+    except TypeError:
+        raise TypeError(f"save_checkpoint: step={step!r} is not an integer; pass the training step count, e.g. "
+                        "step=int(state.step). Nothing was written.") from None
+    if number < 0:
+        raise ValueError(f"save_checkpoint: step={number} is negative; steps are training step counts, 0 or more. "
+                         "Nothing was written.")
+    return number
+
+
+def _check_max_to_keep(max_to_keep: Any) -> None:
+    if max_to_keep is None:
+        return
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, (int, np.integer)):
+        raise TypeError(f"save_checkpoint: max_to_keep={max_to_keep!r} is not an integer; pass 1 or more, or None "
+                        "to keep every step. Nothing was written.")
+    if max_to_keep < 1:
+        raise ValueError(f"save_checkpoint: max_to_keep={max_to_keep} would delete every step, this one too; pass "
+                         "1 or more, or None to keep every step. Nothing was written.")
+
+
+def _check_order(directory: pathlib.Path, step: int, existing: list[int], supersede_newer: bool) -> None:
+    """A step must come after the newest saved one: orbax writes nothing otherwise, and a newer
+    step left in place would be restored as the latest."""
+    if not existing or step > existing[-1] or supersede_newer:
+        return
+    newer = [s for s in existing if s >= step]
+    branch = (f"To go on from an earlier step you restored, pass supersede_newer=True: steps {newer} move to "
+              f"{directory / _SUPERSEDED}. Otherwise save under a step after {existing[-1]}, or into a new directory.")
+    if step in existing:
+        raise _StepExistsError(f"{directory} already has step {step}; nothing was overwritten. {branch}")
+    raise ValueError(f"save_checkpoint: step={step} is before the newest step {existing[-1]} in {directory}, so "
+                     f"it would never be restored as the latest; nothing was written. {branch}")
+
+
+def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
+    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix)."""
+    if not steps:
+        return
+    aside = directory / _SUPERSEDED
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+        target, n = aside / str(step), 0
+        while target.exists():
+            n += 1
+            target = aside / f"{step}.{n}"
+        os.rename(directory / str(step), target)
+    _log.info("moved steps %s of %s to %s", steps, directory, aside)
+
+
+def _start_save(directory: pathlib.Path, step: int, arrays: dict[str, Any], meta: dict[str, Any],
+                max_to_keep: int | None) -> Any:
+    """An orbax manager writing ``step`` in the background."""
+    ocp = _orbax(directory)
+    options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
+    try:
+        started = manager.save(step, args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
+        }))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            manager.close()
+        raise
+    if not started:  # orbax declines some saves silently (e.g. a step not after its latest)
+        manager.close()
+        raise RuntimeError(f"orbax declined to save step {step} into {directory} (steps there: "
+                           f"{_steps(directory)}); nothing was written.")
+    return manager
 
 
 def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:

@@ -1,8 +1,11 @@
-"""Checkpoint faults a hostile user finds, each refused or reported, none silent: an edited
-description, a damaged file reported under its own name."""
+"""Checkpoint faults a hostile user finds, each refused or reported, none silent: saves out of
+step order, a branch from an earlier step, an edited description, a damaged file reported under
+its own name, a state that is not arrays."""
 
+import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 
@@ -14,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
+from jax_drain.checkpoint import latest_step
 
 
 def _state(value: float) -> dict:
@@ -30,6 +34,11 @@ def _restored_value(directory, **kwargs) -> float:
     return float(state["c"][0])
 
 
+def _snapshot(directory: pathlib.Path) -> dict:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Steps 2 and 4 of the small state (values 2 and 4), saved once; tests work on copies."""
@@ -44,6 +53,64 @@ def copy(saved, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(saved, directory)
     return directory
+
+
+# -- steps in order: refused before anything is written ---------------------------------------------
+
+# (arguments, error, message, refused in an empty directory too)
+OUT_OF_ORDER = {
+    "before_the_newest": (dict(step=3), ValueError, r"step=3 is before the newest step 4 in .*nothing was written"
+                                                    r".*pass supersede_newer=True: steps \[4\] move to .*superseded", False),
+    "the_newest": (dict(step=4), FileExistsError, r"already has step 4; nothing was overwritten.*supersede_newer=True",
+                   False),
+    "an_older_saved_one": (dict(step=2), ValueError, r"already has step 2; nothing was overwritten", False),
+    "negative": (dict(step=-1), ValueError, r"step=-1 is negative", True),
+    "not_an_integer": (dict(step=5.5), TypeError, r"step=5.5 is not an integer", True),
+    "a_bool": (dict(step=True), TypeError, r"step=True is not an integer", True),
+    "max_to_keep_0": (dict(step=5, max_to_keep=0), ValueError, r"max_to_keep=0 would delete every step", True),
+    "max_to_keep_negative": (dict(step=5, max_to_keep=-2), ValueError, r"max_to_keep=-2 would delete every step", True),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_ORDER))
+def test_a_save_out_of_order_is_refused_and_nothing_is_written(case, copy, tmp_path):
+    kwargs, error, message, anywhere = OUT_OF_ORDER[case]
+    before = _snapshot(copy)
+    with pytest.raises(error, match=message):
+        jd.save_checkpoint(copy, _state(9), **kwargs)
+    assert _snapshot(copy) == before
+    assert latest_step(copy) == 4 and _restored_value(copy) == 4
+    if anywhere:  # orbax would write step -1, or keep no step at all, in an empty directory
+        with pytest.raises(error, match=message):
+            jd.save_checkpoint(tmp_path / "fresh", _state(9), **kwargs)
+        assert not (tmp_path / "fresh").exists()
+
+
+def test_a_step_saved_already_is_both_file_exists_and_value_error(copy):
+    with pytest.raises(ValueError) as info:
+        jd.save_checkpoint(copy, _state(9), step=4)
+    assert isinstance(info.value, FileExistsError)
+
+
+def test_going_on_from_an_earlier_step_supersedes_the_newer_ones(copy):
+    state, extra = jd.restore_checkpoint(copy, _target(), step=2)
+    assert extra == {"data_position": 2}
+    branched = jax.tree.map(lambda x: x + 1, state)  # trained on from step 2: value 3 at step 3
+    with pytest.raises(ValueError, match="step=3 is before the newest step 4"):
+        jd.save_checkpoint(copy, branched, step=3, extra={"data_position": 3})
+    assert latest_step(copy) == 4
+    jd.save_checkpoint(copy, branched, step=3, extra={"data_position": 3}, supersede_newer=True)
+    assert latest_step(copy) == 3
+    restored, extra = jd.restore_checkpoint(copy, _target())
+    assert float(restored["c"][0]) == 3 and extra == {"data_position": 3}
+    # Nothing lost: the superseded step is still there, and restorable from its new place.
+    assert sorted(p.name for p in (copy / "superseded").iterdir()) == ["4"]
+    assert _restored_value(copy / "superseded", step=4) == 4
+    # Superseding the same step number again keeps both copies.
+    jd.save_checkpoint(copy, _state(7), step=4)
+    jd.save_checkpoint(copy, _state(8), step=3, supersede_newer=True)
+    assert sorted(p.name for p in (copy / "superseded").iterdir()) == ["3", "4", "4.1"]
+    assert [_restored_value(copy), _restored_value(copy, step=2)] == [8, 2]
 
 
 # -- the description is checksummed -----------------------------------------------------------------
@@ -139,3 +206,16 @@ def test_a_damaged_file_is_reported_under_its_own_name(damage, copy):
         jd.restore_checkpoint(copy, _target(), step=4)
     with pytest.warns(UserWarning, match=message):
         assert _restored_value(copy) == 2
+
+
+# -- a state that is not arrays --------------------------------------------------------------------
+
+
+def test_a_state_that_is_not_arrays_is_refused_naming_the_leaf(tmp_path):
+    with pytest.raises(TypeError, match=r"state leaf 'a' is a jax.ShapeDtypeStruct: an abstract state has no values"
+                                        r".*not step.abstract_state\(\); nothing was written"):
+        jd.save_checkpoint(tmp_path / "abstract", _target(), step=1)
+    with pytest.raises(TypeError, match=r"state leaf 'lr' is a float \(0.001\), not an array.*jnp.asarray\(x\).*"
+                                        r"extra=\{...\}; nothing was written"):
+        jd.save_checkpoint(tmp_path / "number", {**_state(1), "lr": 1e-3}, step=1)
+    assert not (tmp_path / "abstract").exists() and not (tmp_path / "number").exists()
