@@ -22,8 +22,11 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
 * **Atomic and asynchronous**: orbax writes a step into a temporary directory and renames it
   when complete, so a kill at any moment leaves the previous steps restorable;
   :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
-  next step may donate them) and writes in the background.
-* **Steps in order**: a step must come after the newest saved one, so the newest step is
+  next step may donate them) and writes in the background. A save still running when the
+  process exits is finished first.
+* **One writer, steps in order**: saves into one directory are serialised within a process
+  (each waits for the previous one) and refused from a second process while one is saving
+  (``CheckpointBusyError``). A step must come after the newest saved one, so the newest step is
   always the latest save; to go on from an earlier step you restored, pass
   ``supersede_newer=True``, which moves the newer steps to ``<directory>/superseded/``.
 * **The description is checksummed too**: ``extra`` and the layout descriptions are covered by
@@ -56,9 +59,16 @@ import operator
 import os
 import pathlib
 import re
+import socket
 import threading
+import time
 import warnings
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: saves there are serialised within a process only
+    fcntl = None
 
 import jax
 import numpy as np
@@ -76,6 +86,7 @@ FORMAT_VERSION = 4
 _READABLE_FORMATS = (3, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
 _SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it replaces
+_LOCK_FILE = ".jax_drain-saving"  # held (flock) by the process saving into the directory
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
 _SHARD = re.compile(r"^(.*/(?:master|shards))/(\d+)$")
@@ -88,6 +99,15 @@ class CheckpointMismatchError(ValueError):
 class CheckpointCorruptError(CheckpointMismatchError):
     """A checkpoint step is damaged: its description or an array file is unreadable or does
     not match its checksum."""
+
+
+class CheckpointBusyError(RuntimeError):
+    """Another process is saving into the checkpoint directory."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed while it was being written in the background (the step was not
+    saved; the earlier steps are intact). Its cause is orbax's error."""
 
 
 class _StepExistsError(FileExistsError, ValueError):
@@ -172,7 +192,11 @@ def save_checkpoint(
             ``supersede_newer``), or ``max_to_keep`` is below 1. A step saved already raises a
             ``FileExistsError`` that is also a ``ValueError``.
         TypeError: a leaf of ``state`` is not an array (a ``jax.ShapeDtypeStruct``, a Python
-            number), or ``extra`` is not JSON-serialisable. Nothing is written in any of these cases.
+            number), or ``extra`` is not JSON-serialisable.
+        CheckpointBusyError: another process is saving into ``directory``.
+        OSError: ``directory`` cannot be written. Nothing is written in any of these cases.
+        CheckpointSaveError: writing the files failed (the step is not saved; earlier steps are
+            intact).
     """
     pending = save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep,
                                     supersede_newer=supersede_newer)
@@ -180,21 +204,51 @@ def save_checkpoint(
 
 
 class PendingSave:
-    """A checkpoint being written in the background by :func:`save_checkpoint_async`."""
+    """A checkpoint being written in the background by :func:`save_checkpoint_async`.
 
-    def __init__(self, manager: Any, path: pathlib.Path):
-        self._manager, self.path = manager, path
+    ``wait()`` (from any thread, any number of times) blocks until the step is on disk and
+    raises the save's error if it failed. A save nobody waited for is finished when the
+    process exits; an error there is logged on the ``jax_drain.checkpoint`` logger.
+    """
+
+    def __init__(self, manager: Any, path: pathlib.Path, lock: "_DirectoryLock | None" = None):
+        self._manager, self.path, self._lock = manager, path, lock
+        self._error: Exception | None = None
+        self._finishing = threading.Lock()
 
     def wait(self) -> pathlib.Path:
         """Blocks until the step is on disk (renamed into place); returns its directory."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        with self._finishing:
+            if self._manager is not None:
+                manager, self._manager = self._manager, None
+                try:
+                    manager.wait_until_finished()
+                except Exception as e:  # noqa: BLE001 - the save's own error, raised below
+                    self._error = e
+                except BaseException:  # interrupted: the save goes on, wait() again
+                    self._manager = manager
+                    raise
+                self._finish(manager)
+        if self._error is not None:
+            raise CheckpointSaveError(
+                f"saving step {self.path.name} into {self.path.parent} failed: {type(self._error).__name__}: "
+                f"{self._error}. The step was not saved; the earlier steps are intact."
+            ) from self._error
         return self.path
 
     def done(self) -> bool:
-        return self._manager is None or not self._manager.is_saving_in_progress()
+        manager = self._manager
+        return manager is None or not manager.is_saving_in_progress()
+
+    def _finish(self, manager: Any) -> None:
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - close() raises the save's error again; it is kept above
+            _log.debug("closing the checkpoint manager of %s", self.path, exc_info=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        _saves.forget(self)
 
 
 def save_checkpoint_async(
@@ -209,8 +263,9 @@ def save_checkpoint_async(
     """:func:`save_checkpoint` that returns once the arrays are copied to the host.
 
     The next training steps may run (and donate ``state``) while the files are written; call
-    ``.wait()`` on the result before the next save and before the process exits. The step
-    appears in ``directory`` only when complete: a kill in between leaves the earlier steps.
+    ``.wait()`` on the result to learn whether the save succeeded. The step appears in
+    ``directory`` only when complete: a kill in between leaves the earlier steps. A save into
+    the same directory waits for this one first; the process waits for it at exit.
 
     Example::
 
@@ -224,24 +279,27 @@ def save_checkpoint_async(
     _check_max_to_keep(max_to_keep)
     extra = _json_extra(extra)
     description = state_description(state)
-    existing = _steps(directory)
-    if existing:
-        # Another bucket layout or mesh is fine (a run resumed elsewhere); another model is not.
-        saved = _read_description(directory, existing[-1])
-        if not _same_model(saved, description):
-            raise CheckpointMismatchError(
-                f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
-                f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
-            )
-    _check_order(directory, step, existing, supersede_newer)
-    keys = [leaf[0] for leaf in description["leaves"]]
-    arrays = dict(zip(keys, jax.tree.leaves(state)))
-    checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
-    meta = {**description, "step": step, "extra": extra, "checksums": checksums}
-    meta["digest"] = _digest(meta)
-    if supersede_newer:
-        _supersede(directory, [s for s in existing if s >= step])
-    return PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step))
+    with _saves.turn(directory) as lock:
+        existing = _steps(directory)
+        if existing:
+            # Another bucket layout or mesh is fine (a run resumed elsewhere); another model is not.
+            saved = _read_description(directory, existing[-1])
+            if not _same_model(saved, description):
+                raise CheckpointMismatchError(
+                    f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
+                    f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
+                )
+        _check_order(directory, step, existing, supersede_newer)
+        keys = [leaf[0] for leaf in description["leaves"]]
+        arrays = dict(zip(keys, jax.tree.leaves(state)))
+        checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
+        meta = {**description, "step": step, "extra": extra, "checksums": checksums}
+        meta["digest"] = _digest(meta)
+        if supersede_newer:
+            _supersede(directory, [s for s in existing if s >= step])
+        pending = PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step), lock)
+        _saves.started(pending)
+    return pending
 
 
 def restore_checkpoint(
@@ -382,21 +440,155 @@ def _start_save(directory: pathlib.Path, step: int, arrays: dict[str, Any], meta
                 max_to_keep: int | None) -> Any:
     """An orbax manager writing ``step`` in the background."""
     ocp = _orbax(directory)
-    options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
+    # Directories made in the caller's thread: made in the background, a failure there leaves
+    # orbax's writer threads waiting for them until its timeout, and the process cannot exit.
+    options = ocp.CheckpointManagerOptions(
+        create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
     try:
         started = manager.save(step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
         }))
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception):
             manager.close()
+        if isinstance(e, OSError) and e.errno is not None:
+            raise _unwritable(directory, e) from e
         raise
     if not started:  # orbax declines some saves silently (e.g. a step not after its latest)
         manager.close()
         raise RuntimeError(f"orbax declined to save step {step} into {directory} (steps there: "
                            f"{_steps(directory)}); nothing was written.")
     return manager
+
+
+class _DirectoryLock:
+    """This process's claim to save into a directory: an exclusive ``flock`` on a lock file
+    there. The kernel drops it when the process dies, so a killed saver blocks nobody."""
+
+    def __init__(self, path: pathlib.Path, fd: int | None):
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def acquire(cls, directory: pathlib.Path) -> "_DirectoryLock":
+        path = directory / _LOCK_FILE
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                if fcntl is None:
+                    return cls(path, fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise CheckpointBusyError(
+                        f"another process ({holder}) is saving into {directory}; nothing was written. Two runs "
+                        "saving into one directory would lose each other's steps: give each run its own "
+                        "directory, or save again once that save is over (the lock is freed when its process "
+                        "has waited for its save, exits or dies)."
+                    ) from None
+                if _same_file(fd, path):
+                    break
+                os.close(fd)  # its holder removed it between our open and flock: lock the new one
+        except OSError as e:
+            raise _unwritable(directory, e) from e
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still locked: a waiter holding the old file tries again
+        os.close(self._fd)
+        self._fd = None
+
+
+def _unwritable(directory: pathlib.Path, error: OSError) -> OSError:
+    """``error`` (same class) saying that ``directory`` cannot be written and what to do."""
+    return type(error)(error.errno, f"cannot save a checkpoint into {directory}: {error.strerror} "
+                                    f"({error.filename}); nothing was written. Save into a directory this "
+                                    "process can write.")
+
+
+def _same_file(fd: int, path: pathlib.Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+class _Saves:
+    """This process's saves in progress, by directory: a save into a directory waits for the
+    previous one there; the process waits for all of them at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns: dict[pathlib.Path, threading.Lock] = {}
+        self._pending: dict[pathlib.Path, PendingSave] = {}
+        self._exit_hook = False
+
+    @contextlib.contextmanager
+    def turn(self, directory: pathlib.Path) -> Iterator[_DirectoryLock]:
+        """Inside: the only save into ``directory`` being set up, the previous one finished, the
+        directory locked against other processes (released on an error; else the save's)."""
+        key = _resolved(directory)
+        with self._lock:
+            turn = self._turns.setdefault(key, threading.Lock())
+        with turn:
+            previous = self._pending.get(key)
+            if previous is not None:
+                with contextlib.suppress(CheckpointSaveError):  # its error is its waiter's
+                    previous.wait()
+            lock = _DirectoryLock.acquire(directory)
+            try:
+                yield lock
+            except BaseException:
+                lock.release()
+                raise
+
+    def started(self, pending: PendingSave) -> None:
+        with self._lock:
+            self._pending[_resolved(pending.path.parent)] = pending
+            if not self._exit_hook:
+                self._exit_hook = True
+                _at_exit(self.finish_all)
+
+    def forget(self, pending: PendingSave) -> None:
+        with self._lock:
+            key = _resolved(pending.path.parent)
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+
+    def finish_all(self) -> None:
+        """Waits for every save nobody waited for (at exit)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for save in pending:
+            try:
+                save.wait()
+            except CheckpointSaveError as e:
+                _log.error("%s", e)
+
+
+def _resolved(directory: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(os.path.realpath(directory))
+
+
+def _at_exit(function: Any) -> None:
+    """Runs ``function`` at exit while orbax's threads may still start work: before Python joins
+    the threads and before ``concurrent.futures`` refuses new work (its hook, registered when it
+    is imported, runs after those registered later). ``atexit`` would run after both: too late."""
+    import concurrent.futures.thread  # noqa: F401 - registered before ours, so it runs after
+
+    threading._register_atexit(function)  # noqa: SLF001 - the only hook that runs early enough
+
+
+_saves = _Saves()
 
 
 def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:

@@ -1,13 +1,18 @@
-"""Checkpoint faults a hostile user finds, each refused or reported, none silent: saves out of
-step order, a branch from an earlier step, an edited description, a damaged file reported under
-its own name, a state that is not arrays."""
+"""Checkpoint faults a hostile user finds, each refused or reported, none silent, none hanging:
+saves out of step order, a branch from an earlier step, concurrent saves from threads and
+processes, an edited description, a damaged file reported under its own name, a process that
+exits during or after a failed save, a state that is not arrays."""
 
 import hashlib
 import json
 import os
 import pathlib
 import re
+import select
 import shutil
+import subprocess
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
-from jax_drain.checkpoint import latest_step
+from jax_drain.checkpoint import CheckpointBusyError, latest_step
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _state(value: float) -> dict:
@@ -37,6 +44,17 @@ def _restored_value(directory, **kwargs) -> float:
 def _snapshot(directory: pathlib.Path) -> dict:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _env() -> dict:
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(ROOT)}
+
+
+def _script(tmp_path: pathlib.Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +129,75 @@ def test_going_on_from_an_earlier_step_supersedes_the_newer_ones(copy):
     jd.save_checkpoint(copy, _state(8), step=3, supersede_newer=True)
     assert sorted(p.name for p in (copy / "superseded").iterdir()) == ["3", "4", "4.1"]
     assert [_restored_value(copy), _restored_value(copy, step=2)] == [8, 2]
+
+
+# -- concurrent saves into one directory --------------------------------------------------------------
+
+
+def test_threads_saving_into_one_directory_take_turns(tmp_path):
+    directory, start, outcomes = tmp_path / "ckpt", threading.Barrier(4), {}
+
+    def save(step):
+        start.wait()
+        try:
+            outcomes[step] = jd.save_checkpoint(directory, _state(step), step=step)
+        except Exception as e:  # noqa: BLE001 - what each thread got, checked below
+            outcomes[step] = e
+
+    threads = [threading.Thread(target=save, args=(step,)) for step in (1, 2, 3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a save blocked"
+    saved = sorted(step for step, outcome in outcomes.items() if isinstance(outcome, pathlib.Path))
+    for step, outcome in outcomes.items():  # refused only for coming after a higher step
+        assert isinstance(outcome, pathlib.Path) or (
+            isinstance(outcome, ValueError) and re.search(rf"step={step} is before the newest step", str(outcome))
+        ), repr(outcome)
+    assert 4 in saved and [int(p.name) for p in sorted(directory.iterdir()) if p.name.isdigit()] == saved
+    assert _restored_value(directory) == 4
+
+
+def test_an_async_save_waits_for_the_previous_one_into_its_directory(tmp_path):
+    first = jd.save_checkpoint_async(tmp_path, _state(1), step=1)
+    second = jd.save_checkpoint_async(tmp_path, _state(2), step=2)  # no wait() on the first
+    assert first.done() and second.wait() == tmp_path.absolute() / "2"
+    assert first.wait() == tmp_path.absolute() / "1"
+    assert [_restored_value(tmp_path, step=1), _restored_value(tmp_path)] == [1, 2]
+
+
+HOLDER = """
+import sys
+import jax.numpy as jnp, jax_drain as jd
+pending = jd.save_checkpoint_async(sys.argv[1], {"a": jnp.arange(6.0) + 1, "b": jnp.ones(3, jnp.bfloat16),
+                                                 "c": jnp.ones(4)}, step=1)
+print("saving", flush=True)
+sys.stdin.readline()  # holds the directory until told (or killed)
+pending.wait()
+"""
+
+
+def test_a_second_process_saving_into_the_directory_is_refused_and_a_dead_one_blocks_nobody(tmp_path):
+    directory = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, _script(tmp_path, "holder.py", HOLDER), str(directory)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env())
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 120)
+        assert ready and holder.stdout.readline().strip() == "saving", holder.stderr.read()[-2000:]
+        lock = directory / ".jax_drain-saving"
+        held = lock.read_text()
+        with pytest.raises(CheckpointBusyError, match=rf"another process \(pid {holder.pid} on .*\) is saving into "
+                                                       rf"{re.escape(str(directory))}; nothing was written"):
+            jd.save_checkpoint(directory, _state(2), step=2)
+        # (the holder's step 1 may be on its way in; nothing of step 2, and the lock is still the holder's)
+        assert not [p.name for p in directory.iterdir() if p.name.startswith("2")] and lock.read_text() == held
+    finally:
+        holder.kill()  # dies holding the lock: the kernel releases it
+        holder.communicate(timeout=60)
+    jd.save_checkpoint(directory, _state(2), step=2)
+    assert latest_step(directory) == 2 and _restored_value(directory) == 2
 
 
 # -- the description is checksummed -----------------------------------------------------------------
@@ -206,6 +293,62 @@ def test_a_damaged_file_is_reported_under_its_own_name(damage, copy):
         jd.restore_checkpoint(copy, _target(), step=4)
     with pytest.warns(UserWarning, match=message):
         assert _restored_value(copy) == 2
+
+
+# -- a process that saved in the background, or failed to save, exits promptly -----------------------
+
+EXITS = """
+import errno, os, sys
+import jax.numpy as jnp, jax_drain as jd
+
+read_only, no_step_dirs, good = sys.argv[1:4]
+real_open, real_mkdir = os.open, os.mkdir
+
+
+def write_open(path, flags, *args, **kwargs):  # a read-only file system, even for root
+    if str(path).startswith(read_only + os.sep) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    return real_open(path, flags, *args, **kwargs)
+
+
+def make_dir(path, *args, **kwargs):  # and a directory where orbax cannot make the step's directory
+    path = str(path)
+    if path.startswith(read_only + os.sep) or (path.startswith(no_step_dirs + os.sep) and "orbax-checkpoint-tmp" in path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return real_mkdir(path, *args, **kwargs)
+
+
+os.open, os.mkdir = write_open, make_dir
+state = {"w": jnp.arange(1_000_000, dtype=jnp.float32), "b": jnp.ones(3)}
+for directory in (read_only, no_step_dirs):
+    try:
+        jd.save_checkpoint(directory, state, step=1)
+    except OSError as e:
+        print("refused:", e, flush=True)
+jd.save_checkpoint_async(good, {"w": state["w"] * 2, "b": state["b"]}, step=1)
+print("exiting", flush=True)  # without waiting: the save finishes first
+"""
+
+
+def test_a_process_exits_promptly_after_a_failed_or_an_unwaited_save(tmp_path):
+    read_only, no_step_dirs, good = tmp_path / "read_only", tmp_path / "no_step_dirs", tmp_path / "good"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    result = subprocess.run([sys.executable, _script(tmp_path, "exits.py", EXITS), str(read_only), str(no_step_dirs),
+                             str(good)], capture_output=True, text=True, timeout=90, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2, result.stdout
+    for line, directory in zip(refusals, (read_only, no_step_dirs)):
+        assert f"cannot save a checkpoint into {directory}: Read-only file system" in line
+        assert "nothing was written" in line
+    assert list(read_only.iterdir()) == [] and [p.name for p in no_step_dirs.iterdir()] == []
+    whole = NamedSharding(Mesh(np.array(jax.devices("cpu")[:1]), ("x",)), P())
+    target = {"w": jax.ShapeDtypeStruct((1_000_000,), jnp.float32, sharding=whole),
+              "b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=whole)}
+    state, _ = jd.restore_checkpoint(good, target)
+    np.testing.assert_array_equal(np.asarray(state["w"]), 2 * np.arange(1_000_000, dtype=np.float32))
 
 
 # -- a state that is not arrays --------------------------------------------------------------------
