@@ -261,6 +261,17 @@ def test_an_edited_description_is_refused_and_the_previous_step_restored(edit, t
         jd.save_checkpoint(directory, state, step=3)
 
 
+def test_a_description_written_before_it_was_checksummed_is_read(copy):
+    metadata = copy / "4" / "jax_drain" / "metadata"
+    meta = json.loads(metadata.read_text())
+    del meta["digest"]
+    metadata.write_text(json.dumps({**meta, "format": 3}))
+    assert _restored_value(copy) == 4
+    metadata.write_text(json.dumps(meta))  # the current format without its checksum is damage
+    with pytest.warns(UserWarning, match="does not match its checksum"):
+        assert _restored_value(copy) == 2
+
+
 # -- a damaged file named as itself ------------------------------------------------------------------
 
 
