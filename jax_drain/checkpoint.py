@@ -22,11 +22,20 @@ of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistS
 * **Atomic and asynchronous**: orbax writes a step into a temporary directory and renames it
   when complete, so a kill at any moment leaves the previous steps restorable;
   :func:`save_checkpoint_async` returns at once (after copying the arrays to the host, so the
-  next step may donate them) and writes in the background.
+  next step may donate them) and writes in the background. A save still running when the
+  process exits is finished first.
+* **One writer, steps in order**: saves into one directory are serialised within a process
+  (each waits for the previous one) and refused from a second process while one is saving
+  (``CheckpointBusyError``). A step must come after the newest saved one, so the newest step is
+  always the latest save; to go on from an earlier step you restored, pass
+  ``supersede_newer=True``, which moves the newer steps to ``<directory>/superseded/``.
+* **The description is checksummed too**: ``extra`` and the layout descriptions are covered by
+  a checksum of the description; an edited description is refused as damage, like an array.
 
 A checkpoint of another model (other parameter paths or shapes) is refused before any array is
-read, saying what differs; saving into a directory that holds another model's checkpoints, or
-over an existing step, is refused before anything is written.
+read, saying what differs; saving into a directory that holds another model's checkpoints, over
+an existing step, before the newest step, or a state that is not arrays, is refused before
+anything is written.
 
 Example::
 
@@ -46,12 +55,20 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import pathlib
 import re
+import socket
 import threading
+import time
 import warnings
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: saves there are serialised within a process only
+    fcntl = None
 
 import jax
 import numpy as np
@@ -64,8 +81,12 @@ from jax_drain.optimizer import DistState
 
 PyTree = Any
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+# Format 3 descriptions carry no checksum of their own; they are read without that check.
+_READABLE_FORMATS = (3, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
+_SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it replaces
+_LOCK_FILE = ".jax_drain-saving"  # held (flock) by the process saving into the directory
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
 _SHARD = re.compile(r"^(.*/(?:master|shards))/(\d+)$")
@@ -78,6 +99,20 @@ class CheckpointMismatchError(ValueError):
 class CheckpointCorruptError(CheckpointMismatchError):
     """A checkpoint step is damaged: its description or an array file is unreadable or does
     not match its checksum."""
+
+
+class CheckpointBusyError(RuntimeError):
+    """Another process is saving into the checkpoint directory."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed while it was being written in the background (the step was not
+    saved; the earlier steps are intact). Its cause is orbax's error."""
+
+
+class _StepExistsError(FileExistsError, ValueError):
+    """The step is saved already: a ``FileExistsError`` and, like every step out of order, a
+    ``ValueError``."""
 
 
 def state_description(state: PyTree) -> dict[str, Any]:
@@ -124,39 +159,96 @@ def save_checkpoint(
     step: int | None = None,
     extra: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
+    supersede_newer: bool = False,
 ) -> pathlib.Path:
     """Saves ``state`` as step ``step`` of ``directory``; returns the step's directory.
 
+    Steps are saved in increasing order, so the newest step is the latest save and what
+    :func:`restore_checkpoint` restores. Going on from an earlier step (restored with
+    ``step=``) is a branch: pass ``supersede_newer=True`` and the steps at or after ``step``
+    move to ``<directory>/superseded/<step>`` (no longer restored; delete them when you no
+    longer need them).
+
+    Example::
+
+        state, extra = jd.restore_checkpoint("/ckpt/run1", step.abstract_state(), step=100)
+        ...  # train on from step 100: steps 200, 300 of the old run are now superseded
+        jd.save_checkpoint("/ckpt/run1", state, step=150, supersede_newer=True)
+
     Args:
         directory: the run's checkpoint directory (created if missing).
-        state: any pytree of ``jax.Array``s, typically a :class:`~jax_drain.TrainState`.
-        step: the step number; defaults to ``state.step``.
+        state: any pytree of ``jax.Array``s (or numpy arrays), typically a
+            :class:`~jax_drain.TrainState`; not an abstract state.
+        step: the step number, 0 or more, after the newest saved step; defaults to ``state.step``.
         extra: JSON-serialisable data stored alongside (e.g. the data loader's position).
-        max_to_keep: keep only this many newest steps (older ones are deleted after saving).
+        max_to_keep: keep only this many newest steps, 1 or more (older ones are deleted after
+            saving); ``None`` keeps every step.
+        supersede_newer: move the saved steps at or after ``step`` aside (to
+            ``<directory>/superseded/``) instead of refusing the save.
 
     Raises:
         CheckpointMismatchError: ``directory`` holds checkpoints of a different state layout.
-        FileExistsError: step ``step`` is already saved. Nothing is written in either case.
+        ValueError: ``step`` is negative, or not after the newest saved step (without
+            ``supersede_newer``), or ``max_to_keep`` is below 1. A step saved already raises a
+            ``FileExistsError`` that is also a ``ValueError``.
+        TypeError: a leaf of ``state`` is not an array (a ``jax.ShapeDtypeStruct``, a Python
+            number), or ``extra`` is not JSON-serialisable.
+        CheckpointBusyError: another process is saving into ``directory``.
+        OSError: ``directory`` cannot be written. Nothing is written in any of these cases.
+        CheckpointSaveError: writing the files failed (the step is not saved; earlier steps are
+            intact).
     """
-    return save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep).wait()
+    pending = save_checkpoint_async(directory, state, step=step, extra=extra, max_to_keep=max_to_keep,
+                                    supersede_newer=supersede_newer)
+    return pending.wait()
 
 
 class PendingSave:
-    """A checkpoint being written in the background by :func:`save_checkpoint_async`."""
+    """A checkpoint being written in the background by :func:`save_checkpoint_async`.
 
-    def __init__(self, manager: Any, path: pathlib.Path):
-        self._manager, self.path = manager, path
+    ``wait()`` (from any thread, any number of times) blocks until the step is on disk and
+    raises the save's error if it failed. A save nobody waited for is finished when the
+    process exits; an error there is logged on the ``jax_drain.checkpoint`` logger.
+    """
+
+    def __init__(self, manager: Any, path: pathlib.Path, lock: "_DirectoryLock | None" = None):
+        self._manager, self.path, self._lock = manager, path, lock
+        self._error: Exception | None = None
+        self._finishing = threading.Lock()
 
     def wait(self) -> pathlib.Path:
         """Blocks until the step is on disk (renamed into place); returns its directory."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        with self._finishing:
+            if self._manager is not None:
+                manager, self._manager = self._manager, None
+                try:
+                    manager.wait_until_finished()
+                except Exception as e:  # noqa: BLE001 - the save's own error, raised below
+                    self._error = e
+                except BaseException:  # interrupted: the save goes on, wait() again
+                    self._manager = manager
+                    raise
+                self._finish(manager)
+        if self._error is not None:
+            raise CheckpointSaveError(
+                f"saving step {self.path.name} into {self.path.parent} failed: {type(self._error).__name__}: "
+                f"{self._error}. The step was not saved; the earlier steps are intact."
+            ) from self._error
         return self.path
 
     def done(self) -> bool:
-        return self._manager is None or not self._manager.is_saving_in_progress()
+        manager = self._manager
+        return manager is None or not manager.is_saving_in_progress()
+
+    def _finish(self, manager: Any) -> None:
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - close() raises the save's error again; it is kept above
+            _log.debug("closing the checkpoint manager of %s", self.path, exc_info=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        _saves.forget(self)
 
 
 def save_checkpoint_async(
@@ -166,12 +258,14 @@ def save_checkpoint_async(
     step: int | None = None,
     extra: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
+    supersede_newer: bool = False,
 ) -> PendingSave:
     """:func:`save_checkpoint` that returns once the arrays are copied to the host.
 
     The next training steps may run (and donate ``state``) while the files are written; call
-    ``.wait()`` on the result before the next save and before the process exits. The step
-    appears in ``directory`` only when complete: a kill in between leaves the earlier steps.
+    ``.wait()`` on the result to learn whether the save succeeded. The step appears in
+    ``directory`` only when complete: a kill in between leaves the earlier steps. A save into
+    the same directory waits for this one first; the process waits for it at exit.
 
     Example::
 
@@ -180,38 +274,32 @@ def save_checkpoint_async(
         pending.wait()
     """
     directory = pathlib.Path(directory).absolute()
-    if step is None:
-        if not hasattr(state, "step"):
-            raise ValueError("pass step=...: the state has no .step field")
-        step = int(jax.device_get(state.step))
-    step = int(step)
+    _check_leaves(state)
+    step = _step_number(state, step)
+    _check_max_to_keep(max_to_keep)
+    extra = _json_extra(extra)
     description = state_description(state)
-    existing = _steps(directory)
-    if existing:
-        # Another bucket layout or mesh is fine (a run resumed elsewhere); another model is not.
-        saved = _read_description(directory, existing[-1])
-        if not _same_model(saved, description):
-            raise CheckpointMismatchError(
-                f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
-                f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
-            )
-    if step in existing:
-        raise FileExistsError(
-            f"{directory} already has step {step}; nothing was overwritten. Save under another step "
-            "or delete that step's directory first."
-        )
-    json.dumps(extra or {})  # fail before writing anything if extra is not JSON-serialisable
-    keys = [leaf[0] for leaf in description["leaves"]]
-    arrays = dict(zip(keys, jax.tree.leaves(state)))
-    checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
-    meta = {**description, "step": step, "extra": extra or {}, "checksums": checksums}
-    ocp = _orbax(directory)
-    options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True)
-    manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
-    manager.save(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
-    }))
-    return PendingSave(manager, directory / str(step))
+    with _saves.turn(directory) as lock:
+        existing = _steps(directory)
+        if existing:
+            # Another bucket layout or mesh is fine (a run resumed elsewhere); another model is not.
+            saved = _read_description(directory, existing[-1])
+            if not _same_model(saved, description):
+                raise CheckpointMismatchError(
+                    f"{directory} holds checkpoints of a different model (step {existing[-1]}): "
+                    f"{_differences(saved, description)}. Nothing was written; save this run to a new directory."
+                )
+        _check_order(directory, step, existing, supersede_newer)
+        keys = [leaf[0] for leaf in description["leaves"]]
+        arrays = dict(zip(keys, jax.tree.leaves(state)))
+        checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
+        meta = {**description, "step": step, "extra": extra, "checksums": checksums}
+        meta["digest"] = _digest(meta)
+        if supersede_newer:
+            _supersede(directory, [s for s in existing if s >= step])
+        pending = PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step), lock)
+        _saves.started(pending)
+    return pending
 
 
 def restore_checkpoint(
@@ -234,7 +322,9 @@ def restore_checkpoint(
     Raises:
         FileNotFoundError: no such checkpoint.
         CheckpointMismatchError: the checkpoint was saved from a different model.
-        CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged.
+        CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged: a file
+            unreadable, or an array or the description (``extra`` and the layouts included) not
+            matching its checksum. The error names the file.
     """
     directory = pathlib.Path(directory).absolute()
     steps = _steps(directory)
@@ -255,6 +345,250 @@ def restore_checkpoint(
 
 
 # -- internals ----------------------------------------------------------------------------------
+
+
+def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as it will read back (JSON: tuples become lists, keys strings); raises before
+    anything is written if it is not JSON-serialisable."""
+    return json.loads(json.dumps(extra or {}))
+
+
+def _digest(meta: dict[str, Any]) -> str:
+    """The checksum of a description (everything in it but the checksum itself)."""
+    body = {key: value for key, value in meta.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _check_leaves(state: PyTree) -> None:
+    """Every leaf of ``state`` holds values: a ``jax.Array`` or a numpy array."""
+    for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state)):
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"save_checkpoint: state leaf {path!r} is a jax.ShapeDtypeStruct: an abstract state has no values "
+                "to save. Pass the state itself (what step.init() or a train step returns), not "
+                "step.abstract_state(); nothing was written."
+            )
+        raise TypeError(
+            f"save_checkpoint: state leaf {path!r} is a {type(leaf).__name__} ({leaf!r:.40}), not an array: "
+            "a checkpoint restores arrays placed with shardings. Keep it in the state as an array "
+            "(jnp.asarray(x)), or pass plain values in extra={...}; nothing was written."
+        )
+
+
+def _step_number(state: PyTree, step: Any) -> int:
+    """``step`` (or ``state.step``) as an int, 0 or more."""
+    if step is None:
+        if not hasattr(state, "step"):
+            raise ValueError("pass step=...: the state has no .step field")
+        step = jax.device_get(state.step)
+    try:
+        if isinstance(step, bool) or np.ndim(step) != 0:
+            raise TypeError
+        number = operator.index(step)
+    except TypeError:
+        raise TypeError(f"save_checkpoint: step={step!r} is not an integer; pass the training step count, e.g. "
+                        "step=int(state.step). Nothing was written.") from None
+    if number < 0:
+        raise ValueError(f"save_checkpoint: step={number} is negative; steps are training step counts, 0 or more. "
+                         "Nothing was written.")
+    return number
+
+
+def _check_max_to_keep(max_to_keep: Any) -> None:
+    if max_to_keep is None:
+        return
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, (int, np.integer)):
+        raise TypeError(f"save_checkpoint: max_to_keep={max_to_keep!r} is not an integer; pass 1 or more, or None "
+                        "to keep every step. Nothing was written.")
+    if max_to_keep < 1:
+        raise ValueError(f"save_checkpoint: max_to_keep={max_to_keep} would delete every step, this one too; pass "
+                         "1 or more, or None to keep every step. Nothing was written.")
+
+
+def _check_order(directory: pathlib.Path, step: int, existing: list[int], supersede_newer: bool) -> None:
+    """A step must come after the newest saved one: orbax writes nothing otherwise, and a newer
+    step left in place would be restored as the latest."""
+    if not existing or step > existing[-1] or supersede_newer:
+        return
+    newer = [s for s in existing if s >= step]
+    branch = (f"To go on from an earlier step you restored, pass supersede_newer=True: steps {newer} move to "
+              f"{directory / _SUPERSEDED}. Otherwise save under a step after {existing[-1]}, or into a new directory.")
+    if step in existing:
+        raise _StepExistsError(f"{directory} already has step {step}; nothing was overwritten. {branch}")
+    raise ValueError(f"save_checkpoint: step={step} is before the newest step {existing[-1]} in {directory}, so "
+                     f"it would never be restored as the latest; nothing was written. {branch}")
+
+
+def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
+    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix)."""
+    if not steps:
+        return
+    aside = directory / _SUPERSEDED
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+        target, n = aside / str(step), 0
+        while target.exists():
+            n += 1
+            target = aside / f"{step}.{n}"
+        os.rename(directory / str(step), target)
+    _log.info("moved steps %s of %s to %s", steps, directory, aside)
+
+
+def _start_save(directory: pathlib.Path, step: int, arrays: dict[str, Any], meta: dict[str, Any],
+                max_to_keep: int | None) -> Any:
+    """An orbax manager writing ``step`` in the background."""
+    ocp = _orbax(directory)
+    # Directories made in the caller's thread: made in the background, a failure there leaves
+    # orbax's writer threads waiting for them until its timeout, and the process cannot exit.
+    options = ocp.CheckpointManagerOptions(
+        create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers(ocp))
+    try:
+        started = manager.save(step, args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta),
+        }))
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            manager.close()
+        if isinstance(e, OSError) and e.errno is not None:
+            raise _unwritable(directory, e) from e
+        raise
+    if not started:  # orbax declines some saves silently (e.g. a step not after its latest)
+        manager.close()
+        raise RuntimeError(f"orbax declined to save step {step} into {directory} (steps there: "
+                           f"{_steps(directory)}); nothing was written.")
+    return manager
+
+
+class _DirectoryLock:
+    """This process's claim to save into a directory: an exclusive ``flock`` on a lock file
+    there. The kernel drops it when the process dies, so a killed saver blocks nobody."""
+
+    def __init__(self, path: pathlib.Path, fd: int | None):
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def acquire(cls, directory: pathlib.Path) -> "_DirectoryLock":
+        path = directory / _LOCK_FILE
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                if fcntl is None:
+                    return cls(path, fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise CheckpointBusyError(
+                        f"another process ({holder}) is saving into {directory}; nothing was written. Two runs "
+                        "saving into one directory would lose each other's steps: give each run its own "
+                        "directory, or save again once that save is over (the lock is freed when its process "
+                        "has waited for its save, exits or dies)."
+                    ) from None
+                if _same_file(fd, path):
+                    break
+                os.close(fd)  # its holder removed it between our open and flock: lock the new one
+        except OSError as e:
+            raise _unwritable(directory, e) from e
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still locked: a waiter holding the old file tries again
+        os.close(self._fd)
+        self._fd = None
+
+
+def _unwritable(directory: pathlib.Path, error: OSError) -> OSError:
+    """``error`` (same class) saying that ``directory`` cannot be written and what to do."""
+    return type(error)(error.errno, f"cannot save a checkpoint into {directory}: {error.strerror} "
+                                    f"({error.filename}); nothing was written. Save into a directory this "
+                                    "process can write.")
+
+
+def _same_file(fd: int, path: pathlib.Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+class _Saves:
+    """This process's saves in progress, by directory: a save into a directory waits for the
+    previous one there; the process waits for all of them at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns: dict[pathlib.Path, threading.Lock] = {}
+        self._pending: dict[pathlib.Path, PendingSave] = {}
+        self._exit_hook = False
+
+    @contextlib.contextmanager
+    def turn(self, directory: pathlib.Path) -> Iterator[_DirectoryLock]:
+        """Inside: the only save into ``directory`` being set up, the previous one finished, the
+        directory locked against other processes (released on an error; else the save's)."""
+        key = _resolved(directory)
+        with self._lock:
+            turn = self._turns.setdefault(key, threading.Lock())
+        with turn:
+            previous = self._pending.get(key)
+            if previous is not None:
+                with contextlib.suppress(CheckpointSaveError):  # its error is its waiter's
+                    previous.wait()
+            lock = _DirectoryLock.acquire(directory)
+            try:
+                yield lock
+            except BaseException:
+                lock.release()
+                raise
+
+    def started(self, pending: PendingSave) -> None:
+        with self._lock:
+            self._pending[_resolved(pending.path.parent)] = pending
+            if not self._exit_hook:
+                self._exit_hook = True
+                _at_exit(self.finish_all)
+
+    def forget(self, pending: PendingSave) -> None:
+        with self._lock:
+            key = _resolved(pending.path.parent)
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+
+    def finish_all(self) -> None:
+        """Waits for every save nobody waited for (at exit)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for save in pending:
+            try:
+                save.wait()
+            except CheckpointSaveError as e:
+                _log.error("%s", e)
+
+
+def _resolved(directory: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(os.path.realpath(directory))
+
+
+def _at_exit(function: Any) -> None:
+    """Runs ``function`` at exit while orbax's threads may still start work: before Python joins
+    the threads and before ``concurrent.futures`` refuses new work (its hook, registered when it
+    is imported, runs after those registered later). ``atexit`` would run after both: too late."""
+    import concurrent.futures.thread  # noqa: F401 - registered before ours, so it runs after
+
+    threading._register_atexit(function)  # noqa: SLF001 - the only hook that runs early enough
+
+
+_saves = _Saves()
 
 
 def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[PyTree, dict[str, Any]]:
@@ -295,15 +629,8 @@ def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], s
     with _read_only_manager(ocp, directory) as manager:
         try:
             arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
-        except Exception:  # noqa: BLE001 - find which array file is unreadable
-            arrays = {}
-            for key, value in abstract.items():
-                try:
-                    one = manager.restore(step, args=ocp.args.Composite(**{
-                        _STATE: ocp.args.PyTreeRestore({key: value}, partial_restore=True)}))[_STATE]
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"unreadable ({type(e).__name__})")) from e
-                arrays[key] = one[key]
+        except Exception as e:  # noqa: BLE001 - find which file is unreadable
+            raise CheckpointCorruptError(_unreadable(directory, step, abstract, saved, e)) from e
     checksums = saved.get("checksums", {})
     for key, array in arrays.items():
         if checksums.get(key) != _checksum(jax.device_get(array)):
@@ -311,10 +638,71 @@ def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], s
     return arrays
 
 
-def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str) -> str:
+def _unreadable(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any],
+                error: Exception) -> str:
+    """What orbax could not read in the step's arrays, naming the damaged file or array.
+
+    First the JSON files orbax needs (the item's tree and array metadata, each array's
+    ``.zarray``), then each array alone: one read of them all failing does not say which.
+    """
+    item = directory / str(step) / _STATE
+    for path in [item / "_METADATA", *sorted((item / "array_metadatas").glob("*"))]:
+        reason = _not_json(path)
+        if reason:
+            return _bad_file(directory, step, path, f"(orbax's metadata of the arrays) is {reason}")
+    for key in abstract:
+        reason = _not_json(item / key / ".zarray")
+        if reason:
+            return _bad_array(directory, step, key, saved, f"is unreadable: its metadata is {reason}",
+                              item / key / ".zarray")
+    ocp = _orbax(directory)
+    with _expected_orbax_notes(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+        for key, value in abstract.items():
+            one = {key: value}
+            args = ocp.args.PyTreeRestore(one, restore_args=ocp.checkpoint_utils.construct_restore_args(one),
+                                          partial_restore=True)
+            try:
+                checkpointer.restore(item, args=args)
+            except Exception as e:  # noqa: BLE001
+                return _bad_array(directory, step, key, saved, f"is unreadable ({_first_line(e)})")
+    return _bad_file(directory, step, item, f"is unreadable ({_first_line(error)}), though each array reads alone")
+
+
+def _not_json(path: pathlib.Path) -> str:
+    """Why ``path`` is not a JSON file ('' if it is one)."""
+    try:
+        json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as e:
+        return f"not JSON ({type(e).__name__})"
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of the innermost cause: orbax wraps tensorstore's error, which names the file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str,
+               file: pathlib.Path | None = None) -> str:
     path = next((p for k, p, *_ in saved["leaves"] if k == key), key)
-    return (f"checkpoint step {directory / str(step)}: array {path!r} (file {directory / str(step) / _STATE / key}) "
-            f"{what}; the file was damaged after saving.")
+    file = file or directory / str(step) / _STATE / key
+    return f"checkpoint step {directory / str(step)}: array {path!r} (file {file}) {what}; {_damaged_advice(directory, step)}"
+
+
+def _bad_file(directory: pathlib.Path, step: int, file: pathlib.Path, what: str) -> str:
+    return f"checkpoint step {directory / str(step)}: file {file} {what}; {_damaged_advice(directory, step)}"
+
+
+def _damaged_advice(directory: pathlib.Path, step: int) -> str:
+    others = [s for s in _steps(directory) if s != step]
+    return ("the file was damaged after saving. "
+            + (f"Restore another step (step=..., saved: {others}) or remove that step directory." if others
+               else f"No other step is saved in {directory}."))
 
 
 def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -557,11 +945,14 @@ def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
             raise CheckpointCorruptError(_corrupt(directory, step, reason)) from e
     if not isinstance(meta, dict) or "format" not in meta:
         raise CheckpointCorruptError(_corrupt(directory, step, f"not a jax_drain description: {str(meta)[:60]!r}"))
-    if meta["format"] != FORMAT_VERSION:
+    if meta["format"] not in _READABLE_FORMATS:
         raise CheckpointMismatchError(
             f"checkpoint step {step} in {directory} has format {meta.get('format')!r}; this "
-            f"jax_drain reads format {FORMAT_VERSION}"
+            f"jax_drain reads formats {list(_READABLE_FORMATS)}"
         )
+    if meta["format"] == FORMAT_VERSION and meta.get("digest") != _digest(meta):
+        raise CheckpointCorruptError(_corrupt(directory, step, "it does not match its checksum: it was edited or "
+                                                                "damaged after saving"))
     leaves = meta.get("leaves")
     if not (isinstance(meta.get("fingerprint"), str) and isinstance(meta.get("layouts"), list)
             and isinstance(leaves, list) and all(isinstance(x, list) and len(x) == 4 for x in leaves)):
