@@ -11,7 +11,8 @@ _quiet.start()  # before jax starts: no CUDA-plugin noise where there is no GPU 
 
 from jax_drain.chain import BucketChain
 from jax_drain.checkpoint import (
-    CheckpointCorruptError, CheckpointMismatchError, latest_step, restore_checkpoint, save_checkpoint, save_checkpoint_async,
+    CheckpointBusyError, CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError, latest_step,
+    restore_checkpoint, save_checkpoint, save_checkpoint_async,
 )
 from jax_drain.collectives import REDUCE_MODES, reduce_scatter_bucket
 from jax_drain.drain import sequenced_map
@@ -32,8 +33,10 @@ __all__ = [
     "Bucket",
     "BucketChain",
     "BucketLayout",
+    "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "DistState",
     "DistributedOptimizer",
     "FlatShards",
