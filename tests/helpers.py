@@ -223,18 +223,58 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
                          weight_decay: float = 0.0, rounding: float = EPS32, gradient_scales=None) -> list:
     """Per step and element, how far two AdamW runs may have moved apart after that step when
     each step's gradient is off by ``rounding_bound(additions, that leaf's largest |g|)``; to
-    first order in the errors.
+    first order in the errors (:func:`adam_error_bounds`, at a constant ``learning_rate``).
 
-    Adam divides by ``sqrt(v)``, so a rounding error in a gradient near zero moves its update
-    by far more than ``additions`` roundings of the update. The bound is the update's own
-    sensitivity, ``dm / (sqrt(v) + eps) + |m| dv / (2 sqrt(v) (sqrt(v) + eps) ** 2)``, with ``dm``
-    and ``dv`` the errors the moment averages carry, evaluated on the reference run's
-    ``gradients`` (one tree per step, before ``max_norm`` clipping, which scales errors and
-    gradients alike), plus the update's and the parameters' (``params``) own few roundings.
-    Decoupled weight decay carries the parameters' error on. ``rounding``: the gradient's unit
-    of error (float32's epsilon; ``1 / 127`` of a block's largest value for an int8 wire);
-    ``gradient_scales``: per step, a tree of what that unit is relative to, instead of each leaf's largest
-    ``|g|`` (e.g. the largest local gradient any device sends). Returns one tree per step.
+    ``rounding``: the gradient's unit of error (float32's epsilon; ``1 / 127`` of a block's
+    largest value for an int8 wire); ``gradient_scales``: per step, a tree of what that unit is
+    relative to, instead of each leaf's largest ``|g|`` (e.g. the largest local gradient any
+    device sends). Returns one tree per step.
+    """
+    errors = []
+    for t, grads in enumerate(gradients):
+        leaves, treedef = jax.tree.flatten(grads)
+        scales = (jax.tree.leaves(gradient_scales[t]) if gradient_scales is not None
+                  else [np.max(np.abs(np.asarray(g, np.float64)), initial=0.0) for g in leaves])
+        errors.append(jax.tree.unflatten(treedef, [rounding_bound(additions, s, rounding) for s in scales]))
+    return adam_error_bounds(gradients, errors, learning_rates=[learning_rate] * len(errors), params=params,
+                             b1=b1, b2=b2, eps=eps, max_norm=max_norm, weight_decay=weight_decay)
+
+
+def adam_update_limit(t: int, b1: float, b2: float) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam's step ``t`` (from 1) can produce, whatever the
+    gradients: ``m_t = (1 - b1) sum_s b1**(t-s) g_s`` and ``v_t = (1 - b2) sum_s b2**(t-s) g_s**2``, so
+    by Cauchy-Schwarz ``|m_t| <= (1 - b1) sqrt(sum_k (b1**2 / b2)**k) sqrt(v_t / (1 - b2))`` (``k < t``);
+    with the bias corrections ``1 - b1**t`` and ``1 - b2**t`` that is this number (1 at ``t = 1``,
+    where the update is ``sign(g)``; about 1 for the first steps of any usual ``b1``, ``b2``).
+    Two runs' updates therefore differ by at most twice it, however far apart their gradients."""
+    weights = sum((b1 * b1 / b2) ** k for k in range(t))
+    return (1 - b1) / np.sqrt(1 - b2) * np.sqrt(weights) * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+
+
+def adam_error_bounds(gradients, errors, *, learning_rates: Sequence[float], params=None, b1: float = 0.9,
+                      b2: float = 0.999, eps: float = 1e-8, max_norm: float | None = None,
+                      weight_decay: float = 0.0) -> list:
+    """Per step and element, how far two AdamW runs' parameters may have moved apart after that
+    step when step ``t``'s gradient differs between them by at most ``errors[t]`` (a tree like the
+    gradients of per-element bounds, or of per-leaf numbers); to first order in the errors,
+    evaluated on the reference run's ``gradients`` (one tree per step, before ``max_norm``
+    clipping). ``learning_rates[t]``: step ``t``'s (the schedule's value at count ``t``).
+
+    Global-norm clipping multiplies a gradient by ``c = max_norm / |g|``; to first order that
+    moves element ``i`` by ``c (delta_i + |g_i| |delta| / |g|)``, the second term being the norm's
+    own change (Cauchy-Schwarz). The moments carry ``dm = b1 dm + (1 - b1) delta`` and ``dv = b2 dv
+    + (1 - b2) 2 |g| delta``, and the update ``m_hat / (sqrt(v_hat) + eps)`` moves by its
+    sensitivity ``dm_hat / (sqrt(v_hat) + eps) + |update| dv_hat / (2 sqrt(v_hat) (sqrt(v_hat) +
+    eps))``. Adam divides by ``sqrt(v)``, so for a gradient near zero (or an error as large as
+    the gradient) that first-order figure exceeds what two updates can differ by at all, twice
+    :func:`adam_update_limit`: the smaller of the two is taken. The step moves the parameters'
+    bound by its learning rate times that; decoupled weight decay carries the bound on (times
+    ``1 + lr * weight_decay``), and the update adds its own few float32 roundings and the
+    parameters' (``params``: their magnitudes) -- none on a step whose learning rate is 0, which
+    leaves both runs' parameters exactly as they were. Returns one tree per step.
+
+    Only the given gradient errors are propagated: a gradient computed at parameters that already
+    differ also moves by the loss's curvature times that difference, which this does not bound.
     """
     trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
     treedef = jax.tree.structure(trees[0])
@@ -242,26 +282,29 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
                     else [0.0] * treedef.num_leaves)
     m, v, dm, dv, bound = ([np.zeros_like(x) for x in jax.tree.leaves(trees[0])] for _ in range(5))
     out = []
-    for t, tree in enumerate(trees, 1):
+    for t, (tree, error, lr) in enumerate(zip(trees, errors, learning_rates), 1):
         step = jax.tree.leaves(tree)
-        scale = (jax.tree.leaves(gradient_scales[t - 1]) if gradient_scales is not None
-                 else [np.max(np.abs(g), initial=0.0) for g in step])
-        norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
-        clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
-        for i, g in enumerate(step):
-            delta = clip * rounding_bound(additions, scale[i], rounding)
+        delta = [np.broadcast_to(np.asarray(e, np.float64), g.shape) for e, g in zip(jax.tree.leaves(error), step)]
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in step))
+        clipped = max_norm is not None and norm > max_norm
+        clip = max_norm / norm if clipped else 1.0
+        moved = np.sqrt(sum(np.sum(d ** 2) for d in delta)) / norm if clipped else 0.0
+        limit = 2 * adam_update_limit(t, b1, b2)
+        for i, (g, d) in enumerate(zip(step, delta)):
+            d = clip * (d + np.abs(g) * moved)
             g = clip * g
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g ** 2
-            dm[i] = b1 * dm[i] + (1 - b1) * delta
-            dv[i] = b2 * dv[i] + (1 - b2) * 2 * np.abs(g) * delta
+            dm[i] = b1 * dm[i] + (1 - b1) * d
+            dv[i] = b2 * dv[i] + (1 - b2) * 2 * np.abs(g) * d
             m_hat, dm_hat = m[i] / (1 - b1 ** t), dm[i] / (1 - b1 ** t)
             v_hat, dv_hat = v[i] / (1 - b2 ** t), dv[i] / (1 - b2 ** t)
             root = np.sqrt(v_hat)
             update = np.abs(m_hat) / (root + eps)
             sensitivity = dm_hat / (root + eps) + update * dv_hat / np.maximum(2 * root * (root + eps), eps ** 2)
-            own = rounding_bound(4, learning_rate * update) + rounding_bound(2, param_scales[i])
-            bound[i] = bound[i] * (1 + learning_rate * weight_decay) + learning_rate * sensitivity + own
+            if lr:
+                own = rounding_bound(4, lr * update) + rounding_bound(2, param_scales[i])
+                bound[i] = bound[i] * (1 + lr * weight_decay) + lr * np.minimum(sensitivity, limit) + own
         out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
     return out
 
