@@ -309,6 +309,85 @@ def adam_error_bounds(gradients, errors, *, learning_rates: Sequence[float], par
     return out
 
 
+def cast_error_bounds(bounds, values, dtype=jnp.bfloat16):
+    """Per element, how far the casts to ``dtype`` of two values that differ by at most ``bounds``
+    may differ (e.g. the bf16 working copies of float32 master parameters, ``values`` being one
+    run's): each cast rounds to the nearest, so the two may land on opposite sides of a rounding
+    boundary, ``bound`` plus one unit in the last place of ``dtype`` at ``|value| + bound``; and
+    exactly 0 where ``bound`` is 0 (equal values cast equally)."""
+    def one(b, x):
+        b = np.asarray(b, np.float64)
+        return np.where(b > 0, b + ulp(np.abs(np.asarray(x, np.float64)) + b, dtype), 0.0)
+
+    return jax.tree.map(one, bounds, values)
+
+
+def ulp(magnitude, dtype=jnp.bfloat16):
+    """The spacing of ``dtype`` at ``magnitude`` (``>= 0``): ``eps * 2**floor(log2 magnitude)``,
+    at least the smallest subnormal."""
+    info = jnp.finfo(dtype)
+    magnitude = np.asarray(magnitude, np.float64)
+    _, exponent = np.frexp(magnitude)  # magnitude = f * 2**exponent, f in [0.5, 1)
+    spacing = np.where(magnitude > 0, np.ldexp(float(info.eps), exponent - 1), 0.0)
+    return np.maximum(spacing, float(info.smallest_subnormal))
+
+
+def device_mean_errors(device_gradients, *, additions: int, dtype=None) -> list:
+    """Per step and element, how far two evaluations of the mean over devices of their local
+    gradients may differ (``device_gradients``: one tree per step, each leaf's leading axis the
+    devices). Each device's backward rounds within ``rounding_bound(additions, its leaf's largest
+    |g|)`` (``additions``: the local gradient's :func:`rounding_chain`); a gradient cast to
+    ``dtype`` at the end (a bf16 working copy's) adds an ulp (:func:`cast_error_bounds`); the sum
+    over the devices and the division add ``rounding_bound(devices + 1, mean |g|)``. Returns one
+    tree per step (the device axis averaged out)."""
+    def one(g):
+        g = np.asarray(g, np.float64)
+        devices = g.shape[0]
+        largest = np.max(np.abs(g).reshape(devices, -1), axis=1).reshape((devices,) + (1,) * (g.ndim - 1))
+        local = rounding_bound(additions, largest) * np.ones_like(g)
+        if dtype is not None:
+            local = np.asarray(cast_error_bounds(local, g, dtype))
+        return local.mean(axis=0) + rounding_bound(devices + 1, np.abs(g).mean(axis=0))
+
+    return [jax.tree.map(one, grads) for grads in device_gradients]
+
+
+def quantized_wire_errors(device_gradients, *, qmax: float = 127.0, error_feedback: bool = True,
+                          eps: float = EPS_BF16) -> list:
+    """Per step and element, how far the mean over devices of what a quantized wire
+    (``reduce="int8_accum"``) delivers may be from the mean of the gradients the devices meant to
+    send; ``device_gradients``: one tree per step, each leaf's leading axis the devices, in the
+    buckets' dtype (epsilon ``eps``).
+
+    A device quantizes its bucket in blocks with scale ``absmax / qmax`` and rounds each element
+    to the nearest step, moving it by at most half a step. A block never spans two leaves, so its
+    ``absmax`` is at most the leaf's largest value on that device. Without error feedback a device
+    sends ``Q(g)``, off by ``s / 2``. With it (:mod:`jax_drain.feedback`) it sends ``Q(b)`` for
+    ``b = bf16(g + r)``, ``r`` the residual it kept from the previous step, and keeps
+    ``r' = bf16(g + r - Q(b))``: what it sends is ``g + r - (g + r - Q(b))``, off from ``g`` by at
+    most ``|r| + |g + r - Q(b)|``, where ``|g + r - Q(b)| <= (eps / 2 + EPS32) (|g| + |r|) + s / 2``
+    (``b``'s rounding, the float32 sums, the quantization, with ``s`` from ``max |b|``) and
+    ``|r'|`` is that times ``1 + eps / 2``. Error feedback's gain is that these errors cancel from
+    one step to the next in what the optimizer accumulates; a per-step bound cannot count on
+    that, so it is the larger one. Returns one tree per step (the device axis averaged out).
+    """
+    out, residual = [], None
+    for grads in device_gradients:
+        grads = jax.tree.map(lambda g: np.abs(np.asarray(g, np.float64)), grads)
+        kept = residual if error_feedback and residual is not None else jax.tree.map(np.zeros_like, grads)
+
+        def rounded(g, r):  # |g + r - Q(bf16(g + r))| per device and element (|g - Q(g)| without feedback)
+            largest = np.max((g + r).reshape(g.shape[0], -1), axis=1).reshape((-1,) + (1,) * (g.ndim - 1))
+            if not error_feedback:
+                return largest / qmax / 2
+            return (eps / 2 + EPS32) * (g + r) + largest * (1 + eps / 2) / qmax / 2
+
+        off = jax.tree.map(rounded, grads, kept)
+        out.append(jax.tree.map(lambda r, o: np.mean(r + o, axis=0), kept, off))
+        residual = jax.tree.map(lambda o: o * (1 + eps / 2), off)
+    return out
+
+
 def sgd_rounding_bounds(gradients, *, additions: int, learning_rate: float, momentum: float = 0.0,
                         params=None, max_norm: float | None = None) -> list:
     """Per step and element, how far two (heavy-ball) SGD runs may have moved apart after that
@@ -347,19 +426,38 @@ def reference_run(loss_fn: Callable, params, tx, batches) -> tuple:
     return params, losses, gradients
 
 
-def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32) -> np.ndarray:
+def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32,
+                         failure: float | None = None) -> np.ndarray:
     """Per step, how far two runs' reported losses may differ: step ``t``'s loss is computed on
     the parameters after step ``t - 1``, which differ by ``param_bounds[t - 1]`` (e.g. from
     :func:`adam_rounding_bounds`) and move the loss by at most ``sum(|g_t| * bound)`` to first
     order, plus the loss's own ``additions`` roundings. ``losses`` and ``gradients`` (one tree
-    per step) come from the reference run."""
+    per step) come from the reference run.
+
+    ``failure``: where that worst case (every element's difference of the sign that moves the
+    loss most) is larger than what the test must tell apart, the elements' differences taken as
+    independent and of random sign instead: :func:`random_sign_bound` of the terms, exceeded with
+    probability at most ``failure``.
+    """
     out = []
     for t, (loss, grads) in enumerate(zip(losses, gradients)):
-        carried = 0.0 if t == 0 else sum(
-            float(np.sum(np.abs(np.asarray(g, np.float64)) * b))
-            for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(param_bounds[t - 1])))
+        terms = [] if t == 0 else [np.abs(np.asarray(g, np.float64)) * b
+                                   for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(param_bounds[t - 1]))]
+        carried = (sum(float(np.sum(x)) for x in terms) if failure is None
+                   else random_sign_bound(terms, failure=failure))
         out.append(carried + float(rounding_bound(additions, abs(float(loss)), eps)))
     return np.asarray(out)
+
+
+def random_sign_bound(magnitudes, *, failure: float = 1e-6) -> float:
+    """How large a sum of independent, zero-mean terms, term ``i`` at most ``magnitudes[i]`` in size
+    (a tree or list of arrays), can be except with probability ``failure``: Hoeffding's inequality,
+    ``P(|sum X_i| >= t) <= 2 exp(-t**2 / (2 sum a_i**2))``, solved for ``t``. Rounding and
+    quantization errors of many elements are the usual such terms (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2.8): their sum grows like the square root of their
+    count, where the worst case (:func:`rounding_bound`) grows like the count."""
+    squares = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in jax.tree.leaves(magnitudes))
+    return float(np.sqrt(2 * np.log(2 / failure) * squares))
 
 
 # -- per-leaf comparison ------------------------------------------------------------------------
