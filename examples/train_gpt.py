@@ -38,6 +38,7 @@ import sys
 import time
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "python_docstrings.txt"
+ADAM_BETAS = (0.9, 0.95)  # b1, b2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,6 +195,43 @@ def build_model(config, vocab_size: int, seed: int):
     return model
 
 
+def model_config(args: argparse.Namespace):
+    """The ``jax_drain.models.GPTConfig`` of the blocks of a run with ``args``."""
+    import jax.numpy as jnp
+
+    from jax_drain.models import GPTConfig
+
+    return GPTConfig(
+        num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, seq_len=args.seq_len,
+        param_dtype=jnp.dtype(args.param_dtype), remat=False, scan_layers=args.scan_layers,
+    )
+
+
+def optimizer(args: argparse.Namespace):
+    """``(tx, schedule)`` of a run with ``args``: global-norm clipping, Adam (``ADAM_BETAS``), weight
+    decay on every leaf but the LayerNorms', and the learning rate ``schedule`` (of the step
+    count from 0: linear warmup from 0, then cosine decay to a tenth)."""
+    import jax_drain as jd  # before jax: no CUDA-plugin start-up lines without a GPU
+
+    import jax
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
+    )
+    # No decay on LayerNorm scales/biases. By name, not ndim > 1: with --scan-layers they are
+    # stacked [layers, d] (the unrolled model's matrices are exactly its non-norm leaves).
+    matrices = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(str(getattr(k, "key", "")).startswith("ln_") for k in path), params)
+    tx = optax.chain(
+        jd.clip_by_global_norm(args.clip),
+        optax.scale_by_adam(*ADAM_BETAS),
+        jd.masked(optax.add_decayed_weights(args.weight_decay), matrices),
+        optax.scale_by_learning_rate(schedule),
+    )
+    return tx, schedule
+
+
 def plot(losses: list[float], out: pathlib.Path, title: str, compare: list[str]) -> pathlib.Path | None:
     """Writes ``out/loss.png`` (with the ``compare`` runs overlaid); returns its path, or None
     without matplotlib."""
@@ -237,11 +275,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
     from jax.sharding import Mesh
-
-    from jax_drain.models import GPTConfig
 
     devices = jax.devices()
     if len(devices) < args.devices:
@@ -251,25 +286,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
     mesh = Mesh(np.array(devices[: args.devices]), ("data",))
     corpus = Corpus(DATA)
-    config = GPTConfig(
-        num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, seq_len=args.seq_len,
-        param_dtype=jnp.dtype(args.param_dtype), remat=False, scan_layers=args.scan_layers,
-    )
+    config = model_config(args)
     model = build_model(config, corpus.vocab_size, args.seed)
-
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
-    )
-    # No decay on LayerNorm scales/biases. By name, not ndim > 1: with --scan-layers they are
-    # stacked [layers, d] (the unrolled model's matrices are exactly its non-norm leaves).
-    matrices = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(str(getattr(k, "key", "")).startswith("ln_") for k in path), params)
-    tx = optax.chain(
-        jd.clip_by_global_norm(args.clip),
-        optax.scale_by_adam(b1=0.9, b2=0.95),
-        jd.masked(optax.add_decayed_weights(args.weight_decay), matrices),
-        optax.scale_by_learning_rate(schedule),
-    )
+    tx, _ = optimizer(args)
     train_config = jd.TrainConfig(
         bucket_size=args.bucket_size, reduce=args.reduce, drain=not args.no_drain,
         microbatches=args.microbatches, scan_layers=args.scan_layers, error_feedback=args.error_feedback,

@@ -223,18 +223,58 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
                          weight_decay: float = 0.0, rounding: float = EPS32, gradient_scales=None) -> list:
     """Per step and element, how far two AdamW runs may have moved apart after that step when
     each step's gradient is off by ``rounding_bound(additions, that leaf's largest |g|)``; to
-    first order in the errors.
+    first order in the errors (:func:`adam_error_bounds`, at a constant ``learning_rate``).
 
-    Adam divides by ``sqrt(v)``, so a rounding error in a gradient near zero moves its update
-    by far more than ``additions`` roundings of the update. The bound is the update's own
-    sensitivity, ``dm / (sqrt(v) + eps) + |m| dv / (2 sqrt(v) (sqrt(v) + eps) ** 2)``, with ``dm``
-    and ``dv`` the errors the moment averages carry, evaluated on the reference run's
-    ``gradients`` (one tree per step, before ``max_norm`` clipping, which scales errors and
-    gradients alike), plus the update's and the parameters' (``params``) own few roundings.
-    Decoupled weight decay carries the parameters' error on. ``rounding``: the gradient's unit
-    of error (float32's epsilon; ``1 / 127`` of a block's largest value for an int8 wire);
-    ``gradient_scales``: per step, a tree of what that unit is relative to, instead of each leaf's largest
-    ``|g|`` (e.g. the largest local gradient any device sends). Returns one tree per step.
+    ``rounding``: the gradient's unit of error (float32's epsilon; ``1 / 127`` of a block's
+    largest value for an int8 wire); ``gradient_scales``: per step, a tree of what that unit is
+    relative to, instead of each leaf's largest ``|g|`` (e.g. the largest local gradient any
+    device sends). Returns one tree per step.
+    """
+    errors = []
+    for t, grads in enumerate(gradients):
+        leaves, treedef = jax.tree.flatten(grads)
+        scales = (jax.tree.leaves(gradient_scales[t]) if gradient_scales is not None
+                  else [np.max(np.abs(np.asarray(g, np.float64)), initial=0.0) for g in leaves])
+        errors.append(jax.tree.unflatten(treedef, [rounding_bound(additions, s, rounding) for s in scales]))
+    return adam_error_bounds(gradients, errors, learning_rates=[learning_rate] * len(errors), params=params,
+                             b1=b1, b2=b2, eps=eps, max_norm=max_norm, weight_decay=weight_decay)
+
+
+def adam_update_limit(t: int, b1: float, b2: float) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam's step ``t`` (from 1) can produce, whatever the
+    gradients: ``m_t = (1 - b1) sum_s b1**(t-s) g_s`` and ``v_t = (1 - b2) sum_s b2**(t-s) g_s**2``, so
+    by Cauchy-Schwarz ``|m_t| <= (1 - b1) sqrt(sum_k (b1**2 / b2)**k) sqrt(v_t / (1 - b2))`` (``k < t``);
+    with the bias corrections ``1 - b1**t`` and ``1 - b2**t`` that is this number (1 at ``t = 1``,
+    where the update is ``sign(g)``; about 1 for the first steps of any usual ``b1``, ``b2``).
+    Two runs' updates therefore differ by at most twice it, however far apart their gradients."""
+    weights = sum((b1 * b1 / b2) ** k for k in range(t))
+    return (1 - b1) / np.sqrt(1 - b2) * np.sqrt(weights) * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+
+
+def adam_error_bounds(gradients, errors, *, learning_rates: Sequence[float], params=None, b1: float = 0.9,
+                      b2: float = 0.999, eps: float = 1e-8, max_norm: float | None = None,
+                      weight_decay: float = 0.0) -> list:
+    """Per step and element, how far two AdamW runs' parameters may have moved apart after that
+    step when step ``t``'s gradient differs between them by at most ``errors[t]`` (a tree like the
+    gradients of per-element bounds, or of per-leaf numbers); to first order in the errors,
+    evaluated on the reference run's ``gradients`` (one tree per step, before ``max_norm``
+    clipping). ``learning_rates[t]``: step ``t``'s (the schedule's value at count ``t``).
+
+    Global-norm clipping multiplies a gradient by ``c = max_norm / |g|``; to first order that
+    moves element ``i`` by ``c (delta_i + |g_i| |delta| / |g|)``, the second term being the norm's
+    own change (Cauchy-Schwarz). The moments carry ``dm = b1 dm + (1 - b1) delta`` and ``dv = b2 dv
+    + (1 - b2) 2 |g| delta``, and the update ``m_hat / (sqrt(v_hat) + eps)`` moves by its
+    sensitivity ``dm_hat / (sqrt(v_hat) + eps) + |update| dv_hat / (2 sqrt(v_hat) (sqrt(v_hat) +
+    eps))``. Adam divides by ``sqrt(v)``, so for a gradient near zero (or an error as large as
+    the gradient) that first-order figure exceeds what two updates can differ by at all, twice
+    :func:`adam_update_limit`: the smaller of the two is taken. The step moves the parameters'
+    bound by its learning rate times that; decoupled weight decay carries the bound on (times
+    ``1 + lr * weight_decay``), and the update adds its own few float32 roundings and the
+    parameters' (``params``: their magnitudes) -- none on a step whose learning rate is 0, which
+    leaves both runs' parameters exactly as they were. Returns one tree per step.
+
+    Only the given gradient errors are propagated: a gradient computed at parameters that already
+    differ also moves by the loss's curvature times that difference, which this does not bound.
     """
     trees = [jax.tree.map(lambda x: np.asarray(x, np.float64), g) for g in gradients]
     treedef = jax.tree.structure(trees[0])
@@ -242,27 +282,109 @@ def adam_rounding_bounds(gradients, *, additions: int, learning_rate: float, par
                     else [0.0] * treedef.num_leaves)
     m, v, dm, dv, bound = ([np.zeros_like(x) for x in jax.tree.leaves(trees[0])] for _ in range(5))
     out = []
-    for t, tree in enumerate(trees, 1):
+    for t, (tree, error, lr) in enumerate(zip(trees, errors, learning_rates), 1):
         step = jax.tree.leaves(tree)
-        scale = (jax.tree.leaves(gradient_scales[t - 1]) if gradient_scales is not None
-                 else [np.max(np.abs(g), initial=0.0) for g in step])
-        norm = np.sqrt(sum(np.sum(x ** 2) for x in step))
-        clip = 1.0 if max_norm is None or norm <= max_norm else max_norm / norm
-        for i, g in enumerate(step):
-            delta = clip * rounding_bound(additions, scale[i], rounding)
+        delta = [np.broadcast_to(np.asarray(e, np.float64), g.shape) for e, g in zip(jax.tree.leaves(error), step)]
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in step))
+        clipped = max_norm is not None and norm > max_norm
+        clip = max_norm / norm if clipped else 1.0
+        moved = np.sqrt(sum(np.sum(d ** 2) for d in delta)) / norm if clipped else 0.0
+        limit = 2 * adam_update_limit(t, b1, b2)
+        for i, (g, d) in enumerate(zip(step, delta)):
+            d = clip * (d + np.abs(g) * moved)
             g = clip * g
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g ** 2
-            dm[i] = b1 * dm[i] + (1 - b1) * delta
-            dv[i] = b2 * dv[i] + (1 - b2) * 2 * np.abs(g) * delta
+            dm[i] = b1 * dm[i] + (1 - b1) * d
+            dv[i] = b2 * dv[i] + (1 - b2) * 2 * np.abs(g) * d
             m_hat, dm_hat = m[i] / (1 - b1 ** t), dm[i] / (1 - b1 ** t)
             v_hat, dv_hat = v[i] / (1 - b2 ** t), dv[i] / (1 - b2 ** t)
             root = np.sqrt(v_hat)
             update = np.abs(m_hat) / (root + eps)
             sensitivity = dm_hat / (root + eps) + update * dv_hat / np.maximum(2 * root * (root + eps), eps ** 2)
-            own = rounding_bound(4, learning_rate * update) + rounding_bound(2, param_scales[i])
-            bound[i] = bound[i] * (1 + learning_rate * weight_decay) + learning_rate * sensitivity + own
+            if lr:
+                own = rounding_bound(4, lr * update) + rounding_bound(2, param_scales[i])
+                bound[i] = bound[i] * (1 + lr * weight_decay) + lr * np.minimum(sensitivity, limit) + own
         out.append(jax.tree.unflatten(treedef, [b.copy() for b in bound]))
+    return out
+
+
+def cast_error_bounds(bounds, values, dtype=jnp.bfloat16):
+    """Per element, how far the casts to ``dtype`` of two values that differ by at most ``bounds``
+    may differ (e.g. the bf16 working copies of float32 master parameters, ``values`` being one
+    run's): each cast rounds to the nearest, so the two may land on opposite sides of a rounding
+    boundary, ``bound`` plus one unit in the last place of ``dtype`` at ``|value| + bound``; and
+    exactly 0 where ``bound`` is 0 (equal values cast equally)."""
+    def one(b, x):
+        b = np.asarray(b, np.float64)
+        return np.where(b > 0, b + ulp(np.abs(np.asarray(x, np.float64)) + b, dtype), 0.0)
+
+    return jax.tree.map(one, bounds, values)
+
+
+def ulp(magnitude, dtype=jnp.bfloat16):
+    """The spacing of ``dtype`` at ``magnitude`` (``>= 0``): ``eps * 2**floor(log2 magnitude)``,
+    at least the smallest subnormal."""
+    info = jnp.finfo(dtype)
+    magnitude = np.asarray(magnitude, np.float64)
+    _, exponent = np.frexp(magnitude)  # magnitude = f * 2**exponent, f in [0.5, 1)
+    spacing = np.where(magnitude > 0, np.ldexp(float(info.eps), exponent - 1), 0.0)
+    return np.maximum(spacing, float(info.smallest_subnormal))
+
+
+def device_mean_errors(device_gradients, *, additions: int, dtype=None) -> list:
+    """Per step and element, how far two evaluations of the mean over devices of their local
+    gradients may differ (``device_gradients``: one tree per step, each leaf's leading axis the
+    devices). Each device's backward rounds within ``rounding_bound(additions, its leaf's largest
+    |g|)`` (``additions``: the local gradient's :func:`rounding_chain`); a gradient cast to
+    ``dtype`` at the end (a bf16 working copy's) adds an ulp (:func:`cast_error_bounds`); the sum
+    over the devices and the division add ``rounding_bound(devices + 1, mean |g|)``. Returns one
+    tree per step (the device axis averaged out)."""
+    def one(g):
+        g = np.asarray(g, np.float64)
+        devices = g.shape[0]
+        largest = np.max(np.abs(g).reshape(devices, -1), axis=1).reshape((devices,) + (1,) * (g.ndim - 1))
+        local = rounding_bound(additions, largest) * np.ones_like(g)
+        if dtype is not None:
+            local = np.asarray(cast_error_bounds(local, g, dtype))
+        return local.mean(axis=0) + rounding_bound(devices + 1, np.abs(g).mean(axis=0))
+
+    return [jax.tree.map(one, grads) for grads in device_gradients]
+
+
+def quantized_wire_errors(device_gradients, *, qmax: float = 127.0, error_feedback: bool = True,
+                          eps: float = EPS_BF16) -> list:
+    """Per step and element, how far the mean over devices of what a quantized wire
+    (``reduce="int8_accum"``) delivers may be from the mean of the gradients the devices meant to
+    send; ``device_gradients``: one tree per step, each leaf's leading axis the devices, in the
+    buckets' dtype (epsilon ``eps``).
+
+    A device quantizes its bucket in blocks with scale ``absmax / qmax`` and rounds each element
+    to the nearest step, moving it by at most half a step. A block never spans two leaves, so its
+    ``absmax`` is at most the leaf's largest value on that device. Without error feedback a device
+    sends ``Q(g)``, off by ``s / 2``. With it (:mod:`jax_drain.feedback`) it sends ``Q(b)`` for
+    ``b = bf16(g + r)``, ``r`` the residual it kept from the previous step, and keeps
+    ``r' = bf16(g + r - Q(b))``: what it sends is ``g + r - (g + r - Q(b))``, off from ``g`` by at
+    most ``|r| + |g + r - Q(b)|``, where ``|g + r - Q(b)| <= (eps / 2 + EPS32) (|g| + |r|) + s / 2``
+    (``b``'s rounding, the float32 sums, the quantization, with ``s`` from ``max |b|``) and
+    ``|r'|`` is that times ``1 + eps / 2``. Error feedback's gain is that these errors cancel from
+    one step to the next in what the optimizer accumulates; a per-step bound cannot count on
+    that, so it is the larger one. Returns one tree per step (the device axis averaged out).
+    """
+    out, residual = [], None
+    for grads in device_gradients:
+        grads = jax.tree.map(lambda g: np.abs(np.asarray(g, np.float64)), grads)
+        kept = residual if error_feedback and residual is not None else jax.tree.map(np.zeros_like, grads)
+
+        def rounded(g, r):  # |g + r - Q(bf16(g + r))| per device and element (|g - Q(g)| without feedback)
+            largest = np.max((g + r).reshape(g.shape[0], -1), axis=1).reshape((-1,) + (1,) * (g.ndim - 1))
+            if not error_feedback:
+                return largest / qmax / 2
+            return (eps / 2 + EPS32) * (g + r) + largest * (1 + eps / 2) / qmax / 2
+
+        off = jax.tree.map(rounded, grads, kept)
+        out.append(jax.tree.map(lambda r, o: np.mean(r + o, axis=0), kept, off))
+        residual = jax.tree.map(lambda o: o * (1 + eps / 2), off)
     return out
 
 
@@ -307,19 +429,38 @@ def reference_run(loss_fn: Callable, params, tx, batches) -> tuple:
     return params, losses, gradients
 
 
-def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32) -> np.ndarray:
+def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32,
+                         failure: float | None = None) -> np.ndarray:
     """Per step, how far two runs' reported losses may differ: step ``t``'s loss is computed on
     the parameters after step ``t - 1``, which differ by ``param_bounds[t - 1]`` (e.g. from
     :func:`adam_rounding_bounds`) and move the loss by at most ``sum(|g_t| * bound)`` to first
     order, plus the loss's own ``additions`` roundings. ``losses`` and ``gradients`` (one tree
-    per step) come from the reference run."""
+    per step) come from the reference run.
+
+    ``failure``: where that worst case (every element's difference of the sign that moves the
+    loss most) is larger than what the test must tell apart, the elements' differences taken as
+    independent and of random sign instead: :func:`random_sign_bound` of the terms, exceeded with
+    probability at most ``failure``.
+    """
     out = []
     for t, (loss, grads) in enumerate(zip(losses, gradients)):
-        carried = 0.0 if t == 0 else sum(
-            float(np.sum(np.abs(np.asarray(g, np.float64)) * b))
-            for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(param_bounds[t - 1])))
+        terms = [] if t == 0 else [np.abs(np.asarray(g, np.float64)) * b
+                                   for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(param_bounds[t - 1]))]
+        carried = (sum(float(np.sum(x)) for x in terms) if failure is None
+                   else random_sign_bound(terms, failure=failure))
         out.append(carried + float(rounding_bound(additions, abs(float(loss)), eps)))
     return np.asarray(out)
+
+
+def random_sign_bound(magnitudes, *, failure: float = 1e-6) -> float:
+    """How large a sum of independent, zero-mean terms, term ``i`` at most ``magnitudes[i]`` in size
+    (a tree or list of arrays), can be except with probability ``failure``: Hoeffding's inequality,
+    ``P(|sum X_i| >= t) <= 2 exp(-t**2 / (2 sum a_i**2))``, solved for ``t``. Rounding and
+    quantization errors of many elements are the usual such terms (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2.8): their sum grows like the square root of their
+    count, where the worst case (:func:`rounding_bound`) grows like the count."""
+    squares = sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in jax.tree.leaves(magnitudes))
+    return float(np.sqrt(2 * np.log(2 / failure) * squares))
 
 
 # -- per-leaf comparison ------------------------------------------------------------------------

@@ -59,12 +59,46 @@ def test_train_gpt_resume(train_gpt, drained, tmp_path):
 
 def test_train_gpt_float32_model_under_a_precision_policy_with_int8_feedback(train_gpt, tmp_path):
     """The README's precision example: a float32 model with bf16 working params, an int8 wire
-    with error feedback, next to the same policy with fp32_accum."""
-    policy = ["--steps", "4", *SMALL, "--param-dtype", "float32", "--working-dtype", "bfloat16"]
+    with error feedback, next to the same policy with fp32_accum.
+
+    The losses may differ by what the wire and rounding change, carried to first order along a
+    one-device reference run (:func:`_reference`). The schedule starts at 0, so the first step
+    leaves the parameters as they were: the first two losses are computed at parameters both runs
+    share and differ by the forward's rounding alone, and the gradients of steps 1 and 2 by the
+    wire's error (half a quantization step of each device's leaf, with the residual it carries:
+    ``quantized_wire_errors``) and two evaluations' rounding of the local gradients (float32
+    backward, the bf16 cast, the devices' mean: ``device_mean_errors``). ``adam_error_bounds``
+    carries those to the master parameters after the first AdamW step with a learning rate, the
+    bf16 working copies add an ulp where the masters may differ (``cast_error_bounds``), and the
+    third loss moves by ``|g_3|`` times that. Adam turns an error as large as a small gradient
+    into a whole update of either sign, and the worst case over all elements, each difference
+    of the sign that raises the loss, exceeds the loss change of a training step; the elements'
+    errors are independent and of random sign, so the third loss is held to their Hoeffding
+    bound at failure probability 1e-6, which a wire that loses its scales exceeds many times.
+    A fourth step would compute its gradient at parameters that already differ, moving it by the
+    curvature times that difference, which these bounds do not carry: three steps.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import (adam_error_bounds, assert_within, cast_error_bounds, device_mean_errors, loss_rounding_bounds,
+                         quantized_wire_errors)
+
+    policy = ["--steps", "3", *SMALL, "--param-dtype", "float32", "--working-dtype", "bfloat16"]
     exact = train_gpt.main([*policy, "--out", str(tmp_path / "fp32_accum")])
     int8 = train_gpt.main([*policy, "--reduce", "int8_accum", "--error-feedback", "--out", str(tmp_path / "int8")])
     assert exact[-1] < exact[0]
-    np.testing.assert_allclose(int8, exact, rtol=1e-2)
+
+    ref = _reference(train_gpt, policy)
+    assert ref.learning_rates[0] == 0  # the premise: step 1 leaves the parameters as they were
+    wire = quantized_wire_errors(ref.device_gradients, error_feedback=True)
+    local = device_mean_errors(ref.device_gradients, additions=ref.backward_chain, dtype=jnp.bfloat16)
+    masters = adam_error_bounds(ref.gradients, [jax.tree.map(np.add, w, r) for w, r in zip(wire, local)],
+                                learning_rates=ref.learning_rates, params=ref.params[0], **ref.adam)
+    working = [cast_error_bounds(b, p, jnp.bfloat16) for b, p in zip(masters, ref.params[1:])]
+    # The loss's own roundings: one device's forward, then the 8 devices' losses summed and averaged.
+    bounds = loss_rounding_bounds(ref.losses, ref.gradients, working, additions=ref.forward_chain + 9, failure=1e-6)
+    assert_within(np.asarray(int8), np.asarray(exact), bounds, what="int8_accum + feedback vs fp32_accum losses")
 
 
 def test_train_linen():
@@ -81,15 +115,94 @@ def test_flax_state_trains_nnx_and_linen_side_by_side(capsys):
 
 def test_train_gpt_scan_layers_matches_unrolled(train_gpt, tmp_path):
     """--scan-layers (nnx.scan over the blocks, ScanGradSync, same initial weights) follows the
-    unrolled run. Observed: <= 5e-6 relative. The forward is the same bf16 computation per layer,
-    fused differently inside the scan's loop body; one bf16 rounding flip (2**-8 = 4e-3) in a
-    single activation moves the mean loss over 8 x 16 x 16 tokens by far less than 1e-4, while a
-    wrong gradient, mask or layer order moves it by the learning rate's effect (~1e-2 by step 3)."""
-    args = ["--steps", "3", *SMALL, "--layers", "2"]  # two layers: a real scan
+    unrolled run: the same computation, rounded differently where the scan body is compiled on
+    its own. Bounded along a one-device reference run (:func:`_reference`): the schedule's first
+    step leaves the parameters as they were, so the first two losses differ by at most the
+    forward's roundings (``rounding_chain`` of the loss, and the devices' mean), and the third by
+    ``|g_3|`` times the parameters' bound after the first AdamW step with a learning rate, whose
+    gradients (steps 1 and 2, at the shared parameters) differ by the local backward's roundings
+    and the devices' mean (``device_mean_errors``, ``adam_error_bounds``). The model is float32:
+    for a bf16 model the worst case of the forward's rounding alone (every bf16 rounding one ulp
+    off, each in the direction that moves the loss) exceeds the loss change of a swapped layer
+    order; in float32 a swapped layer order is past the first loss's bound, and a layer's
+    gradient given to another layer past the third's many times.
+    """
+    from helpers import adam_error_bounds, assert_within, device_mean_errors, loss_rounding_bounds
+
+    args = ["--steps", "3", *SMALL, "--layers", "2", "--param-dtype", "float32"]  # two layers: a real scan
     unrolled = train_gpt.main([*args, "--out", str(tmp_path / "unrolled")])
     scanned = train_gpt.main([*args, "--scan-layers", "--out", str(tmp_path / "scan")])
-    np.testing.assert_allclose(scanned, unrolled, rtol=1e-4)
     assert scanned[-1] < scanned[0]
+
+    ref = _reference(train_gpt, args)
+    assert ref.learning_rates[0] == 0  # the premise: step 1 leaves the parameters as they were
+    masters = adam_error_bounds(ref.gradients, device_mean_errors(ref.device_gradients, additions=ref.backward_chain),
+                                learning_rates=ref.learning_rates, params=ref.params[0], **ref.adam)
+    bounds = loss_rounding_bounds(ref.losses, ref.gradients, masters, additions=ref.forward_chain + 9)
+    assert_within(np.asarray(scanned), np.asarray(unrolled), bounds, what="scanned vs unrolled losses")
+
+
+def _reference(train_gpt, argv: list[str]):
+    """``train_gpt.main(argv)`` redone on one device with plain optax: the unrolled model, the same
+    initial weights, optimizer (``optimizer(args)``) and batches, each device's local batch split
+    from the global one as the data axis splits it. Returns per step the loss (the devices'
+    mean), each device's local gradient, their mean and the learning rate; the master parameters
+    before every step and after the last; the ``rounding_chain`` of one device's loss and of its
+    gradient; and Adam's ``b1``, ``b2``, the clip norm and weight decay (``adam``): the
+    trajectory bounds' inputs."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from helpers import rounding_chain
+
+    args = train_gpt.parse_args(argv)
+    corpus = train_gpt.Corpus(train_gpt.DATA)
+    config = train_gpt.model_config(args)
+    model = train_gpt.build_model(config, corpus.vocab_size, args.seed)  # unrolled: no --scan-layers here
+    assert not config.scan_layers
+    tx, schedule = train_gpt.optimizer(args)
+    graphdef, state = nnx.split(model, nnx.Param)
+    dtype = args.working_dtype  # the working copies' (bf16 under a precision policy), else the model's own
+    working = lambda params: jax.tree.map(lambda x: x.astype(dtype or x.dtype), params)  # noqa: E731
+
+    def loss(params, batch):
+        values = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(values, params)
+        return nnx.merge(graphdef, values).loss(batch)
+
+    @jax.jit
+    def step(params, opt_state, batches, count):
+        losses, grads = jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0))(working(params), batches)
+        mean = jax.tree.map(lambda g: jnp.mean(g.astype(jnp.float32), axis=0), grads)
+        updates, opt_state = tx.update(mean, opt_state, params)
+        return losses, grads, optax.apply_updates(params, updates), opt_state, schedule(count)
+
+    devices = args.devices
+    split = lambda batch: jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), batch)  # noqa: E731
+    params = nnx.to_pure_dict(state)
+    first = jax.tree.map(lambda x: x[0], split(corpus.batch(0, args.batch_size, args.seq_len, args.seed)))
+    abstract = jax.eval_shape(working, params)
+    out = types.SimpleNamespace(
+        args=args, losses=[], device_gradients=[], gradients=[], learning_rates=[], params=[params],
+        forward_chain=rounding_chain(loss, abstract, first),
+        backward_chain=rounding_chain(jax.grad(loss), abstract, first),
+        adam=dict(b1=train_gpt.ADAM_BETAS[0], b2=train_gpt.ADAM_BETAS[1], max_norm=args.clip,
+                  weight_decay=args.weight_decay))
+    opt_state = jax.jit(tx.init)(params)
+    for t in range(args.steps):
+        batches = split(corpus.batch(t, args.batch_size, args.seq_len, args.seed))
+        losses, grads, params, opt_state, learning_rate = step(params, opt_state, batches, t)
+        grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+        out.losses.append(float(np.mean(np.asarray(losses, np.float64))))
+        out.device_gradients.append(grads)
+        out.gradients.append(jax.tree.map(lambda g: g.mean(axis=0), grads))
+        out.learning_rates.append(float(learning_rate))
+        out.params.append(params)
+    return out
 
 
 def test_quickstart_runs_and_its_shards_are_the_mean_gradient(capsys):
