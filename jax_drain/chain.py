@@ -848,6 +848,19 @@ def _spec_major(chain: dict[str, Any], whole: np.ndarray, inverse: bool = False)
     return np.swapaxes(blocks, -3, -2).reshape(*rows, size)
 
 
+def check_float_dtype(value: Any, name: str) -> Any:
+    """``value`` as a floating ``np.dtype`` (``None`` stays ``None``), or a ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {value!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {dtype}")
+    return dtype
+
+
 def check_microbatches(k: Any) -> int:
     """Validates a micro-batch count: an int >= 1."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:

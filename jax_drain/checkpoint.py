@@ -331,6 +331,9 @@ def restore_checkpoint(
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
     if step is not None:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise TypeError(f"step must be an int (a saved step: {steps}) or None for the newest intact one, "
+                            f"got {step!r}")
         if int(step) not in steps:
             raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}")
         return _restore_step(directory, int(step), target)
@@ -348,9 +351,18 @@ def restore_checkpoint(
 
 
 def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``extra`` as it will read back (JSON: tuples become lists, keys strings); raises before
-    anything is written if it is not JSON-serialisable."""
-    return json.loads(json.dumps(extra or {}))
+    """``extra`` as it is written; raises before anything is written unless it is a dict that
+    reads back equal (JSON: no tuples, which come back as lists, and string keys only)."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of JSON values (or None), got {type(extra).__name__}; nothing was "
+                        "written")
+    back = json.loads(json.dumps(extra))
+    if back != extra:
+        raise ValueError(f"extra would not read back as given ({extra!r} reads back as {back!r}): use string keys "
+                         "and lists, not tuples; nothing was written")
+    return back
 
 
 def _digest(meta: dict[str, Any]) -> str:

@@ -81,6 +81,19 @@ def leaf_paths(tree: PyTree) -> list[str]:
     return [path_str(path) for path, _ in with_paths]
 
 
+def unique_leaf_paths(tree: PyTree) -> list[str]:
+    """:func:`leaf_paths`, refused where two leaves share one: layouts, checkpoints and
+    ``master_params`` name leaves by path, so such leaves would be mixed up."""
+    paths = leaf_paths(tree)
+    if len(set(paths)) != len(paths):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(
+            f"leaves {twice} have the same path name (the key 'a/b' and a['b'] are both 'a/b', the key 'x/0' and "
+            "x[0] both 'x/0'): the bucket layout, checkpoints and master_params name leaves by path, "
+            "so they would be mixed up. Rename the keys")
+    return paths
+
+
 def path_str(path: Sequence[Any]) -> str:
     """A ``jax.tree_util`` key path as ``leaf_paths`` writes it: ``a/b/0/kernel``."""
     return "/".join(_key_str(k) for k in path) or "<root>"
@@ -203,7 +216,7 @@ class BucketLayout:
         leaves, treedef = jax.tree.flatten(tree)
         if not leaves:
             raise ValueError("the parameter tree has no leaves; nothing to synchronise")
-        paths = leaf_paths(tree)
+        paths = unique_leaf_paths(tree)
         for path, leaf in zip(paths, leaves):
             dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
             if not jnp.issubdtype(dtype, jnp.floating):

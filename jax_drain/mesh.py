@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.layout import leaf_paths
+from jax_drain.layout import leaf_paths, unique_leaf_paths
 
 PyTree = Any
 Axes = tuple[str, ...]
@@ -202,7 +202,7 @@ def split_specs(specs: PyTree, manual_axes: Sequence[str]) -> tuple[PyTree, PyTr
 def check_array_leaves(params: PyTree, what: str = "params") -> None:
     """Raises ``TypeError`` naming the first leaf of ``params`` that is not an array (or a
     ``jax.ShapeDtypeStruct``), e.g. a Python ``float``: gradients are synchronised per array."""
-    for path, leaf in zip(leaf_paths(params), jax.tree.leaves(params)):
+    for path, leaf in zip(unique_leaf_paths(params), jax.tree.leaves(params)):
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise TypeError(
                 f"{what} leaf {path!r} is a Python {type(leaf).__name__} ({leaf!r:.40}), not an array: "

@@ -59,7 +59,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat, zero3
 from jax_drain.chain import (
-    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
+    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_float_dtype, check_microbatches, check_state_replicated,
+    split_microbatches,
 )
 from jax_drain.collectives import check_mode, check_wire_dtype, mean_predivisor
 from jax_drain.drain import drain_depth
@@ -408,6 +409,7 @@ class GradSync(ChainedSync):
         with the residual added).
         """
         check_microbatches(microbatches)
+        accum_dtype = check_float_dtype(accum_dtype, "accum_dtype")
         local_step = local_value_and_grad(loss_fn, has_aux, has_state)
         if error_feedback:
             check_error_feedback(self)

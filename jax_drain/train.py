@@ -99,7 +99,7 @@ from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, zero3
-from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
+from jax_drain.chain import ChainedSync, check_float_dtype, check_microbatches, host_to_params
 from jax_drain.collectives import check_wire_dtype
 from jax_drain.feedback import (
     FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,
@@ -234,19 +234,17 @@ class TrainConfig:
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         check_microbatches(self.microbatches)
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
-        for name in ("param_dtype", "wire_dtype"):
-            value = getattr(self, name)
-            if value is not None:
-                if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
-                    raise ValueError(f"{name} must be a floating dtype (e.g. jnp.bfloat16) or None, got {value!r}")
-                object.__setattr__(self, name, jnp.dtype(value))
-        if self.accum_dtype is not None:
-            dtype = jnp.dtype(self.accum_dtype)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(f"accum_dtype must be a floating dtype or None, got {dtype}")
-            object.__setattr__(self, "accum_dtype", dtype)
-        as_axes(self.axis, "axis")
-        as_axes(self.outer_axis, "outer_axis", allow_empty=True)
+        for name in ("drain", "donate", "skip_nonfinite", "split_leaves", "error_feedback", "shard_params",
+                     "reshard_after_forward"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("param_dtype", "wire_dtype", "accum_dtype"):
+            object.__setattr__(self, name, check_float_dtype(getattr(self, name), name))
+        axes = as_axes(self.axis, "axis")
+        outer = as_axes(self.outer_axis, "outer_axis", allow_empty=True)
+        if set(axes) & set(outer):
+            raise ValueError(f"outer_axis {self.outer_axis!r} repeats axis {self.axis!r}: the outer (replica) axes are "
+                             "other mesh axes than the data axes, e.g. axis='data', outer_axis='replica'")
         check_wire_dtype(self.reduce, self.wire_dtype)
         if self.error_feedback and self.reduce not in FEEDBACK_MODES:
             raise ValueError(

@@ -377,3 +377,26 @@ def test_a_state_that_is_not_arrays_is_refused_naming_the_leaf(tmp_path):
                                         r"extra=\{...\}; nothing was written"):
         jd.save_checkpoint(tmp_path / "number", {**_state(1), "lr": 1e-3}, step=1)
     assert not (tmp_path / "abstract").exists() and not (tmp_path / "number").exists()
+
+
+@pytest.mark.parametrize("extra, error, message", [
+    ("", TypeError, "extra must be a dict"),
+    (0, TypeError, "extra must be a dict"),
+    ({"t": (1, 2)}, ValueError, r"would not read back as given.*\[1, 2\]"),
+    ({1: 2}, ValueError, r"would not read back as given.*'1'"),
+])
+@pytest.mark.parametrize("save", [jd.save_checkpoint, lambda *a, **k: jd.save_checkpoint_async(*a, **k).wait()],
+                         ids=["sync", "async"])
+def test_extra_that_would_not_read_back_as_given_is_refused(save, extra, error, message, tmp_path):
+    with pytest.raises(error, match=message):
+        save(tmp_path / "ckpt", _state(1.0), step=1, extra=extra)
+    assert latest_step(tmp_path / "ckpt") is None  # nothing was written
+    save(tmp_path / "ckpt", _state(1.0), step=1, extra={"t": [1, 2], "1": 2})
+    assert jd.restore_checkpoint(tmp_path / "ckpt", _target())[1] == {"t": [1, 2], "1": 2}
+
+
+@pytest.mark.parametrize("step", [1.5, "1", True])
+def test_restoring_a_step_that_is_not_an_int_is_refused(step, tmp_path):
+    jd.save_checkpoint(tmp_path / "ckpt", _state(1.0), step=1)
+    with pytest.raises(TypeError, match=r"step must be an int \(a saved step: \[1\]\)"):
+        jd.restore_checkpoint(tmp_path / "ckpt", _target(), step=step)

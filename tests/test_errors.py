@@ -415,3 +415,38 @@ def test_unflatten_takes_shards_from_a_mesh_with_explicit_axes():
     explicit, auto = results
     jax.tree.map(np.testing.assert_array_equal, explicit, auto)
     assert all(np.any(x != 0) for x in jax.tree.leaves(explicit))
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("accum_dtype", "bogus", ValueError, "accum_dtype must be a floating dtype"),
+    ("accum_dtype", jnp.int32, ValueError, "accum_dtype must be a floating dtype"),
+    ("param_dtype", 1.5, ValueError, "param_dtype must be a floating dtype"),
+    ("wire_dtype", "int8", ValueError, "wire_dtype must be a floating dtype"),
+    ("donate", np.ones(3), TypeError, "donate must be True or False"),
+    ("drain", 1, TypeError, "drain must be True or False"),
+    ("shard_params", "yes", TypeError, "shard_params must be True or False"),
+    ("outer_axis", "data", ValueError, "outer_axis 'data' repeats axis 'data'"),
+])
+def test_train_config_fields_are_checked_naming_them(field, value, error, message):
+    with pytest.raises(error, match=message):
+        jd.TrainConfig(**{field: value})
+
+
+def test_a_sync_accumulating_in_integers_is_refused():
+    """An integer accumulator would truncate every micro-batch's gradient."""
+    sync = jd.GradSync(_STEP_PARAMS, data_mesh(8), bucket_size=40)
+    with pytest.raises(ValueError, match="accum_dtype must be a floating dtype.*int32"):
+        sync.value_and_grad(_product_loss, microbatches=2, accum_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("params", [
+    {"a/b": jnp.ones(3), "a": {"b": jnp.ones(3)}},
+    {"x/0": jnp.ones(3), "x": [jnp.ones(3)]},
+], ids=["slash_key", "key_and_list_index"])
+def test_leaves_whose_paths_collide_are_refused(params):
+    """Layouts, checkpoints and master_params name leaves by path: two leaves of one name would
+    trade their values."""
+    with pytest.raises(ValueError, match="have the same path name"):
+        jd.GradSync(params, data_mesh(8))
+    with pytest.raises(ValueError, match="have the same path name"):
+        BucketLayout.build(params, 100)
