@@ -37,7 +37,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 from jax_drain import _compat
 from jax_drain.feedback import error_feedback_specs
 from jax_drain.collectives import (
-    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, reduce_scatter_bucket, wire_values,
+    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, check_float_dtype, mean_predivisor, reduce_scatter_bucket,
+    wire_values,
 )
 from jax_drain.drain import sequenced_map
 from jax_drain.layout import BucketLayout, Piece, check_leaves
@@ -846,19 +847,6 @@ def _spec_major(chain: dict[str, Any], whole: np.ndarray, inverse: bool = False)
     first, second = (data_ranks, spec_ranks) if not inverse else (spec_ranks, data_ranks)
     blocks = whole.reshape(*rows, first, second, size // (spec_ranks * data_ranks))
     return np.swapaxes(blocks, -3, -2).reshape(*rows, size)
-
-
-def check_float_dtype(value: Any, name: str) -> Any:
-    """``value`` as a floating ``np.dtype`` (``None`` stays ``None``), or a ``ValueError`` naming ``name``."""
-    if value is None:
-        return None
-    try:
-        dtype = jnp.dtype(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {value!r}") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {dtype}")
-    return dtype
 
 
 def check_microbatches(k: Any) -> int:

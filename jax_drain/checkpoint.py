@@ -148,7 +148,7 @@ def state_description(state: PyTree) -> dict[str, Any]:
 
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest saved step in ``directory``, or ``None`` if it holds no checkpoint."""
-    steps = _steps(pathlib.Path(directory))
+    steps = _steps(_directory(directory))
     return steps[-1] if steps else None
 
 
@@ -273,7 +273,7 @@ def save_checkpoint_async(
         state, metrics = step(state, batch)      # runs while the checkpoint is written
         pending.wait()
     """
-    directory = pathlib.Path(directory).absolute()
+    directory = _directory(directory)
     _check_leaves(state)
     step = _step_number(state, step)
     _check_max_to_keep(max_to_keep)
@@ -326,7 +326,7 @@ def restore_checkpoint(
             unreadable, or an array or the description (``extra`` and the layouts included) not
             matching its checksum. The error names the file.
     """
-    directory = pathlib.Path(directory).absolute()
+    directory = _directory(directory)
     steps = _steps(directory)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
@@ -348,6 +348,14 @@ def restore_checkpoint(
 
 
 # -- internals ----------------------------------------------------------------------------------
+
+
+def _directory(directory: Any) -> pathlib.Path:
+    """``directory`` as an absolute path, or a ``TypeError`` saying what a directory is."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path (str or os.PathLike), got {type(directory).__name__} "
+                        f"{directory!r:.60}")
+    return pathlib.Path(directory).absolute()
 
 
 def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -112,10 +112,24 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def check_float_dtype(value: Any, name: str) -> Any:
+    """``value`` as a floating ``np.dtype`` (``None`` stays ``None``), or a ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {value!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16') or None, got {dtype}")
+    return dtype
+
+
 def check_wire_dtype(mode: str, wire_dtype: Any) -> None:
     """Refuses a ``wire_dtype`` that changes no wire bytes in ``mode`` and only adds rounding:
     ``"fp32"`` sends float32 whatever the bucket's dtype, the quantized modes their own 1-byte
     payload (quantized from float32 values)."""
+    check_float_dtype(wire_dtype, "wire_dtype")
     if wire_dtype is not None and (mode == "fp32" or mode in QUANTIZED_MODES):
         raise ValueError(
             f"wire_dtype={jnp.dtype(wire_dtype)} with reduce={mode!r} rounds the gradients without "

@@ -134,6 +134,10 @@ def check_leaves(
 
 
 def check_order(order: Sequence[int], num_leaves: int) -> tuple[int, ...]:
+    if isinstance(order, (str, bytes)) or not isinstance(order, (Sequence, np.ndarray)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in order):
+        raise TypeError(f"order must be a sequence of leaf indices (jax.tree.leaves order), e.g. from "
+                        f"jax_drain.grad_ready_order(...); got {order!r:.80}")
     order = tuple(int(i) for i in order)
     if sorted(order) != list(range(num_leaves)):
         raise ValueError(

@@ -263,6 +263,9 @@ def masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTra
 
         decay = jd.masked(optax.add_decayed_weights(0.1), lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
     """
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(f"masked(inner, mask): inner must be an optax GradientTransformation, got "
+                        f"{type(inner).__name__}")
     plain = optax.masked(inner, mask)
     inner = optax.with_extra_args_support(inner)
 

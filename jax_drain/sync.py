@@ -59,10 +59,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat, zero3
 from jax_drain.chain import (
-    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_float_dtype, check_microbatches, check_state_replicated,
-    split_microbatches,
+    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
 )
-from jax_drain.collectives import check_mode, check_wire_dtype, mean_predivisor
+from jax_drain.collectives import check_float_dtype, check_mode, check_wire_dtype, mean_predivisor
 from jax_drain.drain import drain_depth
 from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
@@ -233,6 +232,9 @@ class GradSync(ChainedSync):
         return self.chains[1] if len(self.chains) > 1 else None
 
     def flat_shards(self, shards: Sequence[jax.Array] | Shards) -> tuple[jax.Array, ...]:
+        if not isinstance(shards, (tuple, list)):
+            raise TypeError(f"expected the shards this sync returned (a tuple of arrays, out_specs=sync.shard_specs()), "
+                            f"got {type(shards).__name__}")
         if self._expert is None:
             return tuple(shards)
         if not (isinstance(shards, tuple) and len(shards) == 2):

@@ -99,8 +99,8 @@ from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, zero3
-from jax_drain.chain import ChainedSync, check_float_dtype, check_microbatches, host_to_params
-from jax_drain.collectives import check_wire_dtype
+from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
+from jax_drain.collectives import check_float_dtype, check_wire_dtype
 from jax_drain.feedback import (
     FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,
     init_error_feedback,
@@ -603,6 +603,10 @@ class TrainStep:
             raise ValueError(
                 "this step was built from a linen variables dict: use step.variables(state)" if self._linen else
                 "this step was built from a params pytree, not an nnx model: use step.master_params(state)")
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"update_model writes into the nnx model the step was built from, got {type(model).__name__}")
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a TrainState (from step.init(), a step or a restore), got {type(state).__name__}")
         _check_not_consumed(state)  # before anything is written: a model half updated is worse than none
         param_state = nnx.state(model, nnx.Param)
         exact = self.config.param_dtype is None and not self.config.shard_params

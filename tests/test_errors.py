@@ -450,3 +450,30 @@ def test_leaves_whose_paths_collide_are_refused(params):
         jd.GradSync(params, data_mesh(8))
     with pytest.raises(ValueError, match="have the same path name"):
         BucketLayout.build(params, 100)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), wire_dtype="bogus"), ValueError, "wire_dtype must be a floating dtype"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), order=1.5), TypeError, "order must be a sequence of leaf indices"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8)).unflatten(None), TypeError, "expected the shards this sync returned"),
+    (lambda: jd.masked(-1, lambda p: p), TypeError, "inner must be an optax GradientTransformation"),
+    (lambda: jd.save_checkpoint(123, {"a": jnp.ones(2)}, step=1), TypeError, "directory must be a path"),
+    (lambda: jd.restore_checkpoint(None, {}), TypeError, "directory must be a path"),
+    (lambda: jd.latest_step(1.5), TypeError, "directory must be a path"),
+], ids=["wire_dtype", "order", "unflatten", "masked", "save_dir", "restore_dir", "latest_step_dir"])
+def test_arguments_of_the_wrong_kind_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_update_model_names_what_it_was_given():
+    from flax import nnx
+
+    model = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+    step = jd.make_train_step(model, lambda m, b: jnp.mean(m(b["x"]) ** 2), jd.adamw(0.1), data_mesh(8),
+                              example_batch=_STEP_BATCH)
+    state = step.init()
+    with pytest.raises(TypeError, match="expected a TrainState"):
+        step.update_model(model, None)
+    with pytest.raises(TypeError, match="update_model writes into the nnx model"):
+        step.update_model("bogus", state)
