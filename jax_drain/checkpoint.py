@@ -352,8 +352,8 @@ def restore_checkpoint(
 
 def _directory(directory: Any) -> pathlib.Path:
     """``directory`` as an absolute path, or a ``TypeError`` saying what a directory is."""
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a path (str or os.PathLike), got {type(directory).__name__} "
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise TypeError(f"directory must be a non-empty path (str or os.PathLike), got {type(directory).__name__} "
                         f"{directory!r:.60}")
     return pathlib.Path(directory).absolute()
 
@@ -381,6 +381,10 @@ def _digest(meta: dict[str, Any]) -> str:
 
 def _check_leaves(state: PyTree) -> None:
     """Every leaf of ``state`` holds values: a ``jax.Array`` or a numpy array."""
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(state)):
+        raise TypeError(f"state must be a pytree of arrays (a TrainState, or a dict of arrays), got a bare "
+                        f"{type(state).__name__}: a restore names every array by its path; wrap it, e.g. "
+                        "{'x': x}; nothing was written")
     for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state)):
         if isinstance(leaf, (jax.Array, np.ndarray)):
             continue

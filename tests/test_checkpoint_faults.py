@@ -400,3 +400,13 @@ def test_restoring_a_step_that_is_not_an_int_is_refused(step, tmp_path):
     jd.save_checkpoint(tmp_path / "ckpt", _state(1.0), step=1)
     with pytest.raises(TypeError, match=r"step must be an int \(a saved step: \[1\]\)"):
         jd.restore_checkpoint(tmp_path / "ckpt", _target(), step=step)
+
+
+def test_a_bare_array_state_and_an_empty_directory_name_are_refused(tmp_path):
+    """A bare array has no path to restore it by (it saved, then failed to restore); ``''`` is
+    no directory anyone means."""
+    with pytest.raises(TypeError, match="state must be a pytree of arrays.*nothing was written"):
+        jd.save_checkpoint(tmp_path / "ckpt", jnp.ones(3), step=1)
+    assert latest_step(tmp_path / "ckpt") is None
+    with pytest.raises(TypeError, match="directory must be a non-empty path"):
+        jd.restore_checkpoint("", _target())

@@ -457,9 +457,9 @@ def test_leaves_whose_paths_collide_are_refused(params):
     (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), order=1.5), TypeError, "order must be a sequence of leaf indices"),
     (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8)).unflatten(None), TypeError, "expected the shards this sync returned"),
     (lambda: jd.masked(-1, lambda p: p), TypeError, "inner must be an optax GradientTransformation"),
-    (lambda: jd.save_checkpoint(123, {"a": jnp.ones(2)}, step=1), TypeError, "directory must be a path"),
-    (lambda: jd.restore_checkpoint(None, {}), TypeError, "directory must be a path"),
-    (lambda: jd.latest_step(1.5), TypeError, "directory must be a path"),
+    (lambda: jd.save_checkpoint(123, {"a": jnp.ones(2)}, step=1), TypeError, "directory must be a non-empty path"),
+    (lambda: jd.restore_checkpoint(None, {}), TypeError, "directory must be a non-empty path"),
+    (lambda: jd.latest_step(1.5), TypeError, "directory must be a non-empty path"),
 ], ids=["wire_dtype", "order", "unflatten", "masked", "save_dir", "restore_dir", "latest_step_dir"])
 def test_arguments_of_the_wrong_kind_are_named(call, error, message):
     with pytest.raises(error, match=message):
