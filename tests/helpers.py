@@ -96,6 +96,17 @@ EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)  # 2**-7; one bf16 rounding moves 
 DEVICE_SUM_RTOL = 9 * EPS32
 
 
+def part_slices(parts, size: int) -> dict[str, slice]:
+    """Consecutive slices of a flat bucket of ``size`` elements, one per ``(name, length, ...)``
+    in ``parts``; a ``None`` length takes the rest."""
+    out, start = {}, 0
+    for name, length, *_ in parts:
+        stop = size if length is None else start + length
+        out[name] = slice(start, stop)
+        start = stop
+    return out
+
+
 def rounding_bound(additions: int, scale, eps: float = EPS32):
     """How far two evaluations of one computation may drift apart by rounding alone.
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import data_mesh
-from helpers import EPS32, assert_bf16_sum_close, assert_tree_close
+from helpers import EPS32, assert_bf16_sum_close, assert_tree_close, part_slices
 from jax_drain import _compat
 from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, reduce_scatter_bucket
 
@@ -144,12 +144,7 @@ OUTLIER_AT = 1890 + 400  # an element of "outlier" (which starts at 1890)
 
 
 def _leaf_slices(size: int) -> dict[str, slice]:
-    out, start = {}, 0
-    for name, leaf, _ in LEAVES:
-        stop = size if leaf is None else start + leaf
-        out[name] = slice(start, stop)
-        start = stop
-    return out
+    return part_slices(LEAVES, size)
 
 
 def _leaf_offsets(size: int) -> tuple[int, ...]:

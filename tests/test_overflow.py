@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
-from helpers import EPS32, assert_within, leaves_of
+from helpers import EPS32, assert_within, leaves_of, part_slices
 from jax_drain import _compat
 from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition, mean_predivisor, reduce_scatter_bucket
 
@@ -27,12 +27,7 @@ PARTS = (("half", 600, (0.25, 0.5)), ("top", 300, (0.75, 0.875)), ("ordinary", N
 
 
 def _slices(size: int) -> dict[str, slice]:
-    out, start = {}, 0
-    for name, part, _ in PARTS:
-        stop = size if part is None else start + part
-        out[name] = slice(start, stop)
-        start = stop
-    return out
+    return part_slices(PARTS, size)
 
 
 def _values(rng: np.random.Generator, n: int, shape: tuple[int, ...], fractions, top: float) -> np.ndarray:
