@@ -321,7 +321,8 @@ def restore_checkpoint(
 
     Raises:
         FileNotFoundError: no such checkpoint.
-        CheckpointMismatchError: the checkpoint was saved from a different model.
+        CheckpointMismatchError: the checkpoint was saved from a different model, or a step
+            directory was renamed by hand (its name is not the step its description records).
         CheckpointCorruptError: the step (or, without ``step=``, every step) is damaged: a file
             unreadable, or an array or the description (``extra`` and the layouts included) not
             matching its checksum. The error names the file.
@@ -954,9 +955,14 @@ def _steps(directory: pathlib.Path) -> list[int]:
     # Finished orbax steps only: in-progress saves live in temporary, non-numeric directories.
     if not directory.is_dir():
         return []
-    return sorted(
-        int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit() and (p / _META).is_dir()
-    )
+    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit() and (p / _META).is_dir()]
+    for p in steps:
+        if p.name != str(int(p.name)):
+            raise CheckpointMismatchError(
+                f"{p} is named like a step but not as saves name them ({str(int(p.name))!r}): a step "
+                "directory renamed by hand is neither restored nor skipped; rename it back to the step its "
+                "description records, or move it out of the checkpoint directory")
+    return sorted(int(p.name) for p in steps)
 
 
 def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
@@ -977,6 +983,10 @@ def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
     if meta["format"] == FORMAT_VERSION and meta.get("digest") != _digest(meta):
         raise CheckpointCorruptError(_corrupt(directory, step, "it does not match its checksum: it was edited or "
                                                                 "damaged after saving"))
+    if meta.get("step", step) != step:
+        raise CheckpointMismatchError(
+            f"checkpoint step directory {directory / str(step)} holds step {meta['step']!r} (its description "
+            "records it): it was renamed by hand. Rename it back, or move it out of the checkpoint directory")
     leaves = meta.get("leaves")
     if not (isinstance(meta.get("fingerprint"), str) and isinstance(meta.get("layouts"), list)
             and isinstance(leaves, list) and all(isinstance(x, list) and len(x) == 4 for x in leaves)):

@@ -66,9 +66,11 @@ Error bound per element of the sum, before ``average`` (``s_j``: device ``j``'s 
 element's block, ``x_j``: its value): int8 ``|error| <= sum_j s_j / 2``; fp8
 ``|error| <= sum_j (|x_j| / 16 + s_j / 1024)`` (e4m3fn: 3 mantissa bits, subnormal step
 ``2**-9``); plus float32 rounding; divided by the predivisor with the sum (exact: the scales
-are divided). Zeros stay exactly zero. A block holding an inf or NaN gets a
-NaN scale, so all its elements arrive as NaN: the non-finite check on the float32 shards sees
-it. Over an axis of size 1 nothing is sent and nothing is quantized.
+are divided). Zeros stay exactly zero. An inf or NaN arrives as NaN in its own element (int8
+sends it as the code -128, which no finite value uses; float8_e4m3fn as its NaN), and the rest
+of its block is scaled by the block's finite values: the non-finite check on the float32 shards
+sees it, and no finite element is lost with it. Over an axis of size 1 nothing is sent and
+nothing is quantized.
 
 Example (inside ``shard_map`` over a mesh with a ``"data"`` axis of size 8)::
 
@@ -96,6 +98,10 @@ REDUCE_MODES = ("bf16", "fp32", "fp32_accum", "fp32_accum_streamed") + QUANTIZED
 # Point-to-point steps of the streamed mode allowed to be unfinished at once: two lets the add
 # of step s overlap the transfer of step s + 1 while bounding scratch to two chunks.
 STREAM_DEPTH = 2
+
+# The int8 payload's code for an inf or NaN: symmetric quantization maps values to [-127, 127],
+# so -128 is free.
+_INT8_NON_FINITE = -128
 
 # Quantized wire formats: (payload dtype, largest magnitude a block's absmax is mapped to).
 _WIRE = {
@@ -437,22 +443,24 @@ def _quantize(x: jax.Array, blocks: BlockPartition, splits: jax.Array, compact: 
     x = _as_cells(x.astype(jnp.float32), blocks)
     splits = jnp.asarray(splits, jnp.int32)  # stored narrow; compared as int32
     finite = jnp.isfinite(x)
-    magnitude = jnp.where(finite, jnp.abs(x), jnp.inf)  # a non-finite value makes absmax inf
+    # The scale comes from the block's finite values only: an inf or NaN travels as the
+    # payload's non-finite code and comes out as NaN in its own element, the rest of its block
+    # as if it were absent.
+    magnitude = jnp.where(finite, jnp.abs(x), 0.0)
     if not blocks.max_cuts:
         absmax = magnitude.max(axis=-1, keepdims=True)
     else:
         masks = _sub_block_masks(splits, blocks.block_size)
         absmax = jnp.where(masks, magnitude[..., None], 0.0).max(axis=-2)
     scale = absmax / qmax
-    # Zero (or absent) blocks get scale 1, so zeros stay exactly zero; non-finite blocks get a
-    # NaN scale, so every element of theirs dequantizes to NaN.
-    scale = jnp.where(jnp.isfinite(absmax), jnp.where(scale > 0, scale, 1.0), jnp.nan)
-    divisor = _per_element(jnp.where(jnp.isfinite(scale), scale, 1.0), splits, blocks.block_size)
+    scale = jnp.where(scale > 0, scale, 1.0)  # zero (or absent) blocks: zeros stay exactly zero
+    divisor = _per_element(scale, splits, blocks.block_size)
     scaled = jnp.clip(jnp.where(finite, x, 0.0) / divisor, -qmax, qmax)
+    scaled = jnp.where(finite, scaled, jnp.nan)
     scaled = scaled.reshape(*scaled.shape[:-2], -1)[..., : blocks.chunk]
     if dtype == jnp.int8:
-        payload = jnp.round(scaled).astype(jnp.int8)
-    else:
+        payload = jnp.where(jnp.isnan(scaled), _INT8_NON_FINITE, jnp.round(scaled)).astype(jnp.int8)
+    else:  # float8_e4m3fn has a NaN (and no inf)
         payload = jax.lax.bitcast_convert_type(scaled.astype(dtype), jnp.int8)
     flat = scale.reshape(*scale.shape[:-2], -1)
     scales = jnp.take_along_axis(flat, compact, axis=-1, mode="clip") if blocks.max_cuts else flat
@@ -482,7 +490,10 @@ def _dequantize(wire: jax.Array, blocks: BlockPartition, splits: jax.Array, comp
         scales = jnp.take(scales, expand, axis=-1)
     table = scales.reshape(*lead, blocks.num_cells, blocks.max_cuts + 1)
     values = _as_cells(payload.astype(jnp.float32), blocks) * _per_element(table, splits, blocks.block_size)
-    return values.reshape(*lead, -1)[..., : blocks.chunk]
+    values = values.reshape(*lead, -1)[..., : blocks.chunk]
+    if dtype == jnp.int8:
+        values = jnp.where(payload == _INT8_NON_FINITE, jnp.nan, values)
+    return values
 
 
 def _row(table: np.ndarray, index: jax.Array) -> jax.Array:

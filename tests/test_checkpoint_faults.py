@@ -132,6 +132,26 @@ def test_going_on_from_an_earlier_step_supersedes_the_newer_ones(copy):
     assert [_restored_value(copy), _restored_value(copy, step=2)] == [8, 2]
 
 
+@pytest.mark.parametrize("name", ["004", "9"])
+def test_a_step_directory_renamed_by_hand_is_refused_not_skipped(name, copy):
+    """``004`` is step 4's data under a name saves never write; ``9`` claims a step its description
+    does not record. Neither is restored as the newest step, nor skipped for an older one."""
+    (copy / "4").rename(copy / name)
+    if name == "004":
+        message = rf"{re.escape(str(copy / name))} is named like a step but not as saves name them \('4'\)"
+        for call in (lambda: latest_step(copy), lambda: jd.restore_checkpoint(copy, _target()),
+                     lambda: jd.save_checkpoint(copy, _state(5), step=5)):
+            with pytest.raises(jd.CheckpointMismatchError, match=message):
+                call()
+    else:
+        message = rf"{re.escape(str(copy / name))} holds step 4 \(its description records it\): it was renamed"
+        for kwargs in ({}, {"step": 9}):
+            with pytest.raises(jd.CheckpointMismatchError, match=message):
+                jd.restore_checkpoint(copy, _target(), **kwargs)
+    (copy / name).rename(copy / "4")
+    assert _restored_value(copy) == 4
+
+
 # -- concurrent saves into one directory --------------------------------------------------------------
 
 
