@@ -2427,8 +2427,13 @@ def worker_main(spec_path: str) -> None:
         directory = ckpt_fixture()[0]
         protocol.write(json.dumps({"event": "files", "files": file_kinds(directory / "2")}) + "\n")
     cases = {c.id: c for c in all_cases([tuple(f) for f in spec["files"]])}
-    for case_id in spec["ids"]:
+    for n, case_id in enumerate(spec["ids"]):
         protocol.write(json.dumps({"event": "start", "id": case_id}) + "\n")
+        # Each case in its own working directory: a relative path one case saves into ('bogus')
+        # is not there for the next to find.
+        os.chdir(WORK)
+        (WORK / f"case{n}").mkdir()
+        os.chdir(WORK / f"case{n}")
         start = time.time()
         category, message = run_case(cases[case_id])
         protocol.write(json.dumps({"event": "done", "id": case_id, "category": category, "message": message,

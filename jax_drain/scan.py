@@ -72,7 +72,8 @@ block does); a stacked leaf used outside the scan is refused, because its gradie
 be lost. The scan may sit inside ``jit``-ed functions. The rewrite reads the traced loss, so any
 wrapper that hands the stacked leaves to ``jax.lax.scan`` as ``xs`` is seen the same way (tested:
 ``nnx.scan`` and plain ``jax.lax.scan``). A stacked leaf's layer dimension must not be split
-over a mesh axis. With ``"gspmd"``, ZeRO-3 (:mod:`jax_drain.zero3`) is not supported yet.
+over a mesh axis. ZeRO-3 (:mod:`jax_drain.zero3`) gathers each layer's buckets from their rows
+in the scan body, with ``"gspmd"`` too (over the data axes, on local blocks).
 
 Optimizer: :class:`~jax_drain.DistributedOptimizer` takes a ScanGradSync as its ``sync``
 (fp32 master shards in this layout, ``jax_drain.masked`` / ``jax_drain.clip_by_global_norm``
@@ -487,16 +488,32 @@ class ScanGradSync(ChainedSync):
         local: list[Any] = [None] * len(self.placements)
         for i in self._stacked:  # traced only: the scan takes the rows instead
             pl = self.placements[i]
-            local[i] = _compat.mark_varying(jnp.zeros(pl.local_shape, pl.dtype), pl.reduce_axes + self.outer_axes)
+            local[i] = _compat.mark_varying(jnp.zeros(self.region_shape(pl.global_shape, pl.spec), pl.dtype),
+                                            pl.reduce_axes + self.outer_axes)
         if self._others is not None:
-            others = self._others
-            gathered = sequenced_map(lambda k, shard: others.gather(k, shard), rest, 1)
-            for i, leaf in zip(others.leaves, others.unflatten(gathered)):
+            for i, leaf in zip(self._others.leaves, self._gather_rest(rest)):
                 local[i] = _compat.mark_varying(leaf, self.placements[i].reduce_axes + self.outer_axes)
         step, out, _ = self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, None, args, kwargs,
                                                  rows=rows, reshard=reshard_after_forward,
                                                  gather_depth=gather_max_in_flight)
         return step, list(self.flat_shards(out))
+
+    def _gather_rest(self, rest: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """The non-stacked leaves, gathered (one bucket at a time) from their ZeRO-3 shards. With
+        ``tensor_parallel="gspmd"`` they are gathered on local blocks in the nested region and
+        leave it as the model-sharded global leaves the loss reads."""
+        others = self._others
+        placements = [self.placements[i] for i in others.leaves]
+        # A leaf replicated along some model axes is equal on every rank there: a pmax of equal
+        # values (exact) makes it invariant along them, to leave the region as that leaf.
+        replicated = [tuple(a for a in others.spec_axes if a not in pl.spec_axes) for pl in placements]
+
+        def gather(shards):
+            leaves = others.unflatten(sequenced_map(lambda k, shard: others.gather(k, shard), shards, 1))
+            return tuple(jax.lax.pmax(x, axes) if axes else x for x, axes in zip(leaves, replicated))
+
+        in_specs = ((others.shard_spec,) * others.num_buckets,)
+        return self.on_local_blocks(gather, in_specs, tuple(pl.spec for pl in placements))(tuple(rest))
 
     def _reduce_layer(self, layer_grads: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
         """One layer's local gradient (stacked-leaf order) -> its float32 bucket shards (and,

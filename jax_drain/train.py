@@ -285,7 +285,7 @@ class TrainConfig:
         """Raises unless a scanned stack can sync in its backward scan: ScanGradSync reduces over
         one data axis (and ``outer_axis``), takes tensor-parallel shardings only with
         ``tensor_parallel="gspmd"`` (``tensor_parallel``: the step's resolved mode, else the
-        config's), no expert params, and no ``shard_params`` with ``"gspmd"``."""
+        config's), and no expert params."""
         gspmd = (tensor_parallel or self.tensor_parallel) == "gspmd"
         if (self.param_specs is not None and not gspmd) or self.expert is not None or not isinstance(self.axis, str):
             raise ValueError(
@@ -293,11 +293,6 @@ class TrainConfig:
                 "outer_axis) and supports neither hand-written (manual) tensor-parallel param_specs nor expert "
                 "params yet: use tensor_parallel='gspmd' (a loss on global shapes) for tensor parallel, or "
                 "scan_layers=None or False on such a mesh (whole-leaf buckets)"
-            )
-        if gspmd and self.shard_params:
-            raise ValueError(
-                "scan_layers=True with tensor_parallel='gspmd' does not support shard_params=True (ZeRO-3) yet: "
-                "use scan_layers=False (whole-leaf buckets) or shard_params=False"
             )
 
     @property

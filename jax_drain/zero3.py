@@ -44,9 +44,10 @@ XLA (``tensor_parallel="gspmd"``): called in the step's data-parallel region, ea
 its backward run on local blocks in the sync's nested region manual over the model axes
 (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`), so every device holds its shard of its
 own model blocks, a bucket is gathered over the data axes only, and the loss reads the pieces
-as model-sharded global arrays; no weight is gathered over a model axis. Hand-written
+as model-sharded global arrays; no weight is gathered over a model axis. A scanned stack's
+layer buckets are gathered and reduced the same way inside the scan body. Hand-written
 (``"manual"``) tensor-parallel ``param_specs``, expert chains and, with ``"gspmd"``,
-tensor-parallel leaves split over buckets and a scanned stack's layer chain are refused.
+tensor-parallel leaves split over buckets are refused.
 
 ``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
 parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of
@@ -76,6 +77,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import REMAT, call_body
@@ -102,11 +104,6 @@ def check_shardable(sync: ChainedSync) -> None:
                 "each model rank's blocks); hand-written (manual) tensor-parallel param_specs and expert "
                 "parameters are not supported with it yet. Use tensor_parallel='gspmd' (a loss on global "
                 "shapes) or shard_params=False (ZeRO-1/2) on such a mesh"
-            )
-        if gspmd and chain.num_layers is not None:
-            raise ValueError(
-                "shard_params=True with tensor_parallel='gspmd' does not support a scanned stack synced in the "
-                "backward scan (scan_layers=True) yet: use scan_layers=False (whole-leaf buckets) or shard_params=False"
             )
         # A gathered piece leaves the nested region as its parameter's global array: a whole leaf.
         split = [chain.layout.slots[p.leaf].path for b in chain.layout.buckets for p in b.pieces
@@ -272,7 +269,11 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     local_axes = chain.axes + chain.outer_axes
     scope = f"{GATHER_SCOPE}{chain.scope.removeprefix(SCOPE_PREFIX)}/bucket{k}"
     placements = [sync.placements[chain.leaves[p.leaf]] for p in bucket.pieces]
-    piece_specs = tuple(pl.spec for pl in placements)
+    # A layer chain's shard is one row of its [num_layers, shard] stack, its pieces one layer's
+    # slices of the stacked leaves: their specs lose the leading (layer) entry.
+    row = (lambda spec: P(*tuple(spec)[1:])) if in_loop else (lambda spec: spec)
+    piece_specs = tuple(row(pl.spec) for pl in placements)
+    shard_spec = row(chain.shard_spec)
     # A leaf replicated along some of the chain's model axes is equal on every rank there; its
     # piece is made invariant along them (a pmax of equal values: exact) to leave as that leaf.
     replicated = [tuple(a for a in chain.spec_axes if a not in pl.spec_axes) for pl in placements]
@@ -298,7 +299,7 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     def forward(shard, fence):
         if fence is not None:
             _, shard = jax.lax.optimization_barrier((fence, shard))
-        return sync.on_local_blocks(gather_pieces, (chain.shard_spec,), piece_specs)(shard)
+        return sync.on_local_blocks(gather_pieces, (shard_spec,), piece_specs)(shard)
 
     @jax.custom_vjp
     def gather(shard, dummy, fence):
@@ -307,10 +308,13 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     def fwd(shard, dummy, fence):
         return forward(shard, fence), None
 
+    def reduce(pieces):
+        with jax.named_scope(chain.bucket_scope(k)):
+            return chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor)
+
     def bwd(_, pieces):
         if in_loop:
-            with jax.named_scope(chain.bucket_scope(k)):
-                return None, chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor), None
+            return None, sync.on_local_blocks(reduce, (piece_specs,), shard_spec)(tuple(pieces)), None
         return None, sync.on_local_blocks(lay_back, (piece_specs,), chain.bucket_spec)(tuple(pieces)), None
 
     gather.defvjp(fwd, bwd)

@@ -442,7 +442,7 @@ def _sequence_batches(seed, n):
 
 def _shards_to_tree(step, params):
     """A ZeRO-3 state's parameter shards (global arrays) as the parameter tree, on the host."""
-    by_path = host_to_params(step.sync.description, [np.asarray(s) for s in params.shards])
+    by_path = host_to_params(step.sync.description, [np.asarray(s) for s in step.sync.flat_shards(params.shards)])
     return jax.tree.unflatten(step.sync.treedef, [by_path[p] for p in leaf_paths(step.sync.abstract_params)])
 
 
@@ -658,22 +658,22 @@ def scanned_gspmd_loss(p, batch):
     return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
 
 
-def _layer_collectives(jaxpr, in_scan=False, manual=frozenset()):
-    """Every collective of the layer buckets (``jax_drain/layers/bucket{k}``): ``(bucket scope,
-    primitive, inside a scan body, the mesh axes manual there)``."""
+def _layer_collectives(jaxpr, in_scan=False, manual=frozenset(), prefix="jax_drain/layers/"):
+    """Every collective of the layer buckets (``jax_drain/layers/bucket{k}``, or their ZeRO-3
+    gathers with ``prefix="jax_drain/gather/layers/"``): ``(bucket scope, primitive, inside a
+    scan body, the mesh axes manual there)``."""
     from jax_drain._jaxpr import COLLECTIVES, bucket_scope, sub_jaxprs
-    from jax_drain.scan import LAYER_SCOPE
 
     out = []
     for eqn in jaxpr.eqns:
         scope = bucket_scope(eqn)
-        if eqn.primitive.name in COLLECTIVES and scope and scope.startswith(LAYER_SCOPE):
+        if eqn.primitive.name in COLLECTIVES and scope and scope.startswith(prefix):
             out.append((scope, eqn.primitive.name, in_scan, manual))
         # The axes a shard_map makes manual: "newly_manual_axes" (jax >= 0.7), else "axis_names".
         names = eqn.params.get("newly_manual_axes", eqn.params.get("axis_names")) if eqn.primitive.name == "shard_map" else None
         inner = manual | frozenset(names or ())
         for sub in sub_jaxprs(eqn):
-            out += _layer_collectives(sub, in_scan or eqn.primitive.name == "scan", inner)
+            out += _layer_collectives(sub, in_scan or eqn.primitive.name == "scan", inner, prefix)
     return out
 
 
@@ -701,13 +701,40 @@ def test_scanned_stack_reduces_each_layer_inside_the_backward_scan_on_local_bloc
     _assert_model_blocks(state.params, SCAN_SPECS, mesh, "params")
 
 
-def test_scanned_stack_refusals_with_gspmd(cpu_devices):
-    """What the in-scan sync does not do with gspmd yet is refused, saying what to use; with
-    scan detection (scan_layers=None) ZeRO-3 keeps whole-leaf buckets instead."""
+def test_scanned_stack_with_shard_params_gathers_and_reduces_each_layer_in_the_scan(cpu_devices):
+    """ZeRO-3 on a GSPMD scanned stack (found by scan detection): each layer bucket is gathered
+    from its row and reduce-scattered inside the scan bodies, in the nested region manual over
+    data and model; the parameters are 1/(data x model) per device and train like one-device optax."""
     mesh = _mesh("data_model", cpu_devices)
-    params, (batch,) = _scan_params(np.random.default_rng(0)), _batches(1, 1)
-    with pytest.raises(ValueError, match="does not support shard_params=True"):
-        jd.TrainConfig(tensor_parallel="gspmd", scan_layers=True, shard_params=True)
+    params, batches = _scan_params(np.random.default_rng(0)), _batches(1, STEPS)
+    step = jd.make_train_step(_placed(params, mesh, SCAN_SPECS), scanned_gspmd_loss, _tx(), mesh,
+                              jd.TrainConfig(bucket_size=40, scan_layers=None, shard_params=True),
+                              example_batch=batches[0])
+    assert step.tensor_parallel == "gspmd" and step.scan_layers and isinstance(step.sync, jd.ScanGradSync)
+    layers = step.sync.chains[0]
+    assert layers.num_layers == L and layers.num_buckets >= 2
+
+    jaxpr = jax.make_jaxpr(step._jitted)(step.abstract_state(), batches[0]).jaxpr
+    found = _layer_collectives(jaxpr)
+    reduces = [f for f in found if f[1] in ("all_to_all", "psum_scatter", "reduce_scatter")]
+    assert len(reduces) == layers.num_buckets, found  # one per bucket, in the backward body
+    gathers = _layer_collectives(jaxpr, prefix="jax_drain/gather/layers/")
+    assert {scope for scope, *_ in gathers} == {f"jax_drain/gather/layers/bucket{k}" for k in range(layers.num_buckets)}
+    assert all(in_scan and manual == {"data", "model"} for _, _, in_scan, manual in found + gathers), found + gathers
+
+    state = _train_and_compare(step, None, _scan_params(np.random.default_rng(0)), scanned_gspmd_loss, batches,
+                               "scanned gspmd ZeRO-3", to_tree=lambda p: _shards_to_tree(step, p))
+    # Layer rows [L, shard] split over data and model; the rest (the replicated head) over data.
+    assert [c.spec_size for c in step.sync.chains] == [mesh.shape["model"], 1]
+    for (chain, _), x in zip(step.sync.flat_chains, step.sync.flat_shards(state.params.shards)):
+        devices = step.sync.axis_size * chain.spec_size
+        assert {s.data.shape for s in x.addressable_shards} == {(*x.shape[:-1], x.shape[-1] // devices)}, x.sharding
+
+
+def test_scanned_stack_refusals_with_gspmd(cpu_devices):
+    """What the in-scan sync does not do with gspmd yet is refused, saying what to use."""
+    mesh = _mesh("data_model", cpu_devices)
+    params = _scan_params(np.random.default_rng(0))
     with pytest.raises(ValueError, match="hand-written .manual. tensor-parallel param_specs"):
         jd.TrainConfig(scan_layers=True, param_specs=SCAN_SPECS)
     with pytest.raises(ValueError, match="only with tensor_parallel='gspmd'"):
@@ -715,16 +742,13 @@ def test_scanned_stack_refusals_with_gspmd(cpu_devices):
     with pytest.raises(ValueError, match=r"'blocks/norm' .* layer \(leading\) dimension"):
         jd.ScanGradSync(params, mesh, stacked={"blocks": True, "head": False}, tensor_parallel="gspmd",
                         param_specs={**SCAN_SPECS, "blocks": {**SCAN_BLOCK_SPECS, "norm": P("model")}})
-    step = jd.make_train_step(_placed(params, mesh, SCAN_SPECS), scanned_gspmd_loss, _tx(), mesh,
-                              jd.TrainConfig(bucket_size=40, scan_layers=None, shard_params=True), example_batch=batch)
-    assert step.tensor_parallel == "gspmd" and not step.scan_layers
 
 
 GS = 4  # scanned layers of the compile-only stack
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_scan_step(scan_layers):
+def _gpu_scan_step(scan_layers, shard_params=False):
     """A bf16 GSPMD scanned stack on compile-only 8xH100 (data=4, model=2), its weights split over model."""
     from jax_drain.planner.targets import gpu_mesh
     from jax_drain.planner.schedule import parse_schedule
@@ -744,7 +768,7 @@ def _gpu_scan_step(scan_layers):
         h, _ = jax.lax.scan(block, b["x"], p["blocks"])
         return jnp.mean(((h @ p["head"]).astype(jnp.float32) - b["y"]) ** 2)
 
-    config = jd.TrainConfig(axis="data", bucket_size=GD * GH // 2, scan_layers=scan_layers)
+    config = jd.TrainConfig(axis="data", bucket_size=GD * GH // 2, scan_layers=scan_layers, shard_params=shard_params)
     step = jd.make_train_step(params, loss, jd.adamw(1e-3, max_norm=1.0), mesh, config, example_batch=batch)
     compiled = step.lower(step.abstract_state(), batch).compile()
     return step, compiled, parse_schedule(compiled.as_text())
@@ -780,3 +804,29 @@ def test_scanned_stack_reduces_each_layer_in_the_while_body_on_the_gpu_compiler(
     _, after, after_sched = _gpu_scan_step(False)  # whole-leaf buckets after the backward
     assert not [c for c in after_sched.collectives if c.in_scope(LAYER_SCOPE)]
     assert compiled.memory_analysis().temp_size_in_bytes < after.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.gpu_compile
+def test_scanned_stack_with_shard_params_gathers_each_layer_over_data_in_the_while_bodies():
+    """ZeRO-3 on the GSPMD scanned stack, compile-only 8xH100: every layer bucket is gathered over
+    data (one model rank's bucket: XLA may combine a small bucket's gather with the next one's)
+    inside the loop body, and reduced in the backward loop body as one bf16 all-to-all; nothing
+    is all-gathered over the model axis."""
+    from jax_drain.scan import LAYER_SCOPE
+
+    step, compiled, sched = _gpu_scan_step(True, True)
+    data, model = 4, 2
+    assert step.scan_layers and step.tensor_parallel == "gspmd" and step.config.shard_params
+    layers = step.sync.chains[0]
+    sizes = layers.layout.bucket_sizes
+    for k, size in enumerate(sizes):
+        gathers = [c for c in sched.collectives if c.in_scope(f"jax_drain/gather/layers/bucket{k}/")]
+        combined = lambda c: sum(2 * sizes[j] for j in range(len(sizes))  # noqa: E731
+                                 if c.in_scope(f"jax_drain/gather/layers/bucket{j}/"))
+        assert gathers and all(c.kind == "all-gather" and c.group_size == data and c.bytes == combined(c)
+                               and c.computation != sched.entry for c in gathers), gathers
+        (reduce,) = [c for c in sched.collectives if c.in_scope(f"{LAYER_SCOPE}/bucket{k}/")]
+        assert (reduce.kind, reduce.dtype, reduce.group_size) == ("all-to-all", "bf16", data)
+        assert reduce.computation != sched.entry
+    assert not [c for c in sched.collectives if c.kind == "all-gather" and c.group_size == model]
+
