@@ -422,10 +422,13 @@ class ChainedSync:
 
     def sharded_grad(self, loss_fn: Callable, has_aux: bool, has_state: bool, shards: Sequence[jax.Array],
                      state: Any, args: tuple, kwargs: dict, *, gather_max_in_flight: int,
-                     reshard_after_forward: bool) -> tuple[Any, list]:  # pragma: no cover - abstract
-        """ZeRO-3, per sync kind: one micro-batch's ``(LocalStep, flat float32 gradient shards)``
-        from this device's parameter shards ``shards`` (flat order), gathering the parameters
-        as the loss needs them (:mod:`jax_drain.zero3`)."""
+                     reshard_after_forward: bool,
+                     residuals: Sequence[jax.Array] | None = None) -> tuple[Any, list, Any]:  # pragma: no cover
+        """ZeRO-3, per sync kind: one micro-batch's ``(LocalStep, flat float32 gradient shards,
+        new residuals)`` from this device's parameter shards ``shards`` (flat order), gathering
+        the parameters as the loss needs them (:mod:`jax_drain.zero3`). ``residuals``: error
+        feedback's, flat (one whole local bucket per bucket); ``None`` without (and then
+        ``None`` is returned for them)."""
         raise NotImplementedError
 
     # -- layout -----------------------------------------------------------------------------

@@ -477,11 +477,12 @@ class ScanGradSync(ChainedSync):
                 ScanShards(tuple(new_layer_residuals), rest_residuals))
 
     def sharded_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
-                     gather_max_in_flight: int, reshard_after_forward: bool):
+                     gather_max_in_flight: int, reshard_after_forward: bool, residuals=None):
         """ZeRO-3 (:func:`jax_drain.zero3.value_and_grad`): one micro-batch's
         :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards.
         Each layer is gathered from its rows inside the scan body and reduce-scattered in its
-        backward; the other leaves are gathered once, before the loss."""
+        backward (with ``residuals`` added there: error feedback); the other leaves are gathered
+        once, before the loss."""
         zero3.check_shardable(self)
         parts = self.per_chain(shards)
         rows, rest = parts[0], (parts[1] if len(parts) > 1 else ())
@@ -493,10 +494,11 @@ class ScanGradSync(ChainedSync):
         if self._others is not None:
             for i, leaf in zip(self._others.leaves, self._gather_rest(rest)):
                 local[i] = _compat.mark_varying(leaf, self.placements[i].reduce_axes + self.outer_axes)
-        step, out, _ = self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, None, args, kwargs,
-                                                 rows=rows, reshard=reshard_after_forward,
-                                                 gather_depth=gather_max_in_flight)
-        return step, list(self.flat_shards(out))
+        fed = None if residuals is None else self.pack_shards(residuals)
+        step, out, new = self._value_and_grad_once(loss_fn, has_aux, has_state, local, state, fed, args, kwargs,
+                                                   rows=rows, reshard=reshard_after_forward,
+                                                   gather_depth=gather_max_in_flight)
+        return step, list(self.flat_shards(out)), None if new is None else list(self.flat_shards(new))
 
     def _gather_rest(self, rest: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """The non-stacked leaves, gathered (one bucket at a time) from their ZeRO-3 shards. With
@@ -771,16 +773,16 @@ class _ScanRewriter:
         sync = self.sync
 
         def body_fn(carry, x):
-            others_layer, rows_layer, dummies_layer = x
+            others_layer, rows_layer, dummies_layer, residuals_layer = x
             rest = iter(others_layer)
             xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
             outs = zero3.replay_gathered(sync, body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
                                          dummies_layer, depth=self.gather_depth, reshard=self.reshard, mode=sync.reduce,
-                                         divisor=sync._divisor)
+                                         divisor=sync._divisor, residuals=residuals_layer or None)
             return list(outs[:num_carry]), list(outs[num_carry:])
 
         carry, ys = jax.lax.scan(
-            body_fn, list(init), (others, self.rows, self.dummies), length=params["length"],
+            body_fn, list(init), (others, self.rows, self.dummies, self.residuals), length=params["length"],
             reverse=params["reverse"], unroll=params["unroll"], _split_transpose=params.get("_split_transpose", False),
         )
         return [*carry, *ys]

@@ -436,13 +436,13 @@ class GradSync(ChainedSync):
         return wrapped
 
     def sharded_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
-                     gather_max_in_flight: int, reshard_after_forward: bool):
+                     gather_max_in_flight: int, reshard_after_forward: bool, residuals=None):
         """ZeRO-3 (:func:`jax_drain.zero3.value_and_grad`): one micro-batch's
-        :class:`~jax_drain.losses.LocalStep` and flat gradient shards from parameter shards, each
-        bucket gathered where the loss first reads it."""
+        :class:`~jax_drain.losses.LocalStep`, flat gradient shards and new error-feedback
+        residuals from parameter shards, each bucket gathered where the loss first reads it."""
         return zero3.replay_value_and_grad(self, loss_fn, has_aux, has_state, shards, state, args, kwargs,
                                            gather_max_in_flight=gather_max_in_flight,
-                                           reshard_after_forward=reshard_after_forward)
+                                           reshard_after_forward=reshard_after_forward, residuals=residuals)
 
     def _accumulate(self, local_step, local, state, args, kwargs, k, accum_dtype):
         """``k`` micro-batches in a loop: the summed (weighted) or mean local gradient and loss,

@@ -183,8 +183,9 @@ class TrainConfig:
             scanned stack gathers each layer inside the scan body. Over the data axes and
             ``outer_axis``; with ``tensor_parallel="gspmd"`` each device holds its shard of its own
             model blocks (1/(data x model) of the parameters), gathered over the data axes only.
-            Refused with hand-written (``"manual"``) tensor parallel, expert params or error
-            feedback. Gradients equal ZeRO-1's.
+            Refused with hand-written (``"manual"``) tensor parallel or expert params.
+            Gradients equal ZeRO-1's (with error feedback and micro-batches, each micro-batch is
+            sent with the residual its predecessor left).
         reshard_after_forward: with ``shard_params``, gather each bucket again in backward inside
             the model's remat (``jax.checkpoint``) regions instead of keeping it from forward.
         error_feedback: keep each device's wire rounding error and add it to its next gradient
@@ -192,7 +193,7 @@ class TrainConfig:
             steps. Needs a lossy wire (``reduce="int8_accum"``, ``"fp8_accum"``,
             ``"int8_accum_streamed"``, or ``fp32_accum`` with a narrower ``wire_dtype`` or bf16
             gradients). The residuals live in ``TrainState.error_feedback`` (one local gradient
-            copy per device) and stay unchanged on a skipped step.
+            copy per device, with ``shard_params`` too) and stay unchanged on a skipped step.
 
     Example::
 
@@ -259,8 +260,6 @@ class TrainConfig:
                                  "tensor_parallel='gspmd', each model rank's blocks); hand-written tensor-parallel "
                                  "param_specs and expert params are not supported with it yet: use "
                                  "tensor_parallel='gspmd' or shard_params=False")
-            if self.error_feedback:
-                raise ValueError("shard_params=True does not support error_feedback yet: use one of them")
         if self.tensor_parallel is not None:
             check_tensor_parallel(self.tensor_parallel)
         if self.tensor_parallel == "gspmd":
@@ -817,8 +816,11 @@ class TrainStep:
             grad_fn = zero3.value_and_grad(self.sync, loss_fn, gather_max_in_flight=self.optimizer.gather_max_in_flight,
                                            has_state=True,
                                            reshard_after_forward=config.reshard_after_forward,
-                                           microbatches=config.microbatches)
-            (loss, model_state), shards = grad_fn(params.shards, model_state, batch)
+                                           microbatches=config.microbatches, error_feedback=feedback is not None)
+            if feedback is None:
+                (loss, model_state), shards = grad_fn(params.shards, model_state, batch)
+            else:
+                (loss, model_state), shards, residuals = grad_fn(params.shards, feedback.residuals, model_state, batch)
         else:
             grad_fn = self.sync.value_and_grad(loss_fn, microbatches=config.microbatches, accum_dtype=self._accum_dtype,
                                                has_state=True, error_feedback=feedback is not None)

@@ -87,6 +87,7 @@ from jax_drain.chain import (
 )
 from jax_drain.collectives import all_gather_bucket
 from jax_drain.drain import check_max_in_flight
+from jax_drain.feedback import check_error_feedback
 from jax_drain.losses import check_loss_varies, pack_value, split_output
 from jax_drain.optimizer import StateLayout
 
@@ -151,6 +152,7 @@ def value_and_grad(
     reshard_after_forward: bool = True,
     has_state: bool = False,
     microbatches: int = 1,
+    error_feedback: bool = False,
 ) -> Callable[..., Any]:
     """Like :meth:`GradSync.value_and_grad <jax_drain.GradSync.value_and_grad>`, with the
     parameters given as shards: ``fn(param_shards, *args) -> (value, grad_shards)``.
@@ -162,28 +164,38 @@ def value_and_grad(
     :class:`~jax_drain.WeightedLoss`, ``has_aux`` and ``has_state`` work as there. With
     ``microbatches=k`` each micro-batch gathers the buckets again and reduce-scatters its own
     gradient; the float32 shards are accumulated.
+
+    ``error_feedback`` (:mod:`jax_drain.feedback`): the function takes this device's residuals
+    after the shards, ``(param_shards, residuals, *args)``, and returns ``(value, grad_shards,
+    new_residuals)``. Each bucket is sent with its residual added, once per reduce-scatter: per
+    micro-batch, the residual passing from one to the next. A scanned stack's layer bucket is
+    reduced in the backward rule of its gather, so it must be read by one ``jax.checkpoint``
+    region of the layer body (else the residual would be added twice; refused).
     """
     check_shardable(sync)
     check_microbatches(microbatches)
     gather_max_in_flight = check_max_in_flight(gather_max_in_flight)
+    if error_feedback:
+        check_error_feedback(sync)
 
     def wrapped(param_shards: Any, *args: Any, **kwargs: Any):
         sync.require_inside_shard_map("zero3.value_and_grad", data_region=bool(sync.auto_axes))
         shards = _check_shards(sync, param_shards)
+        residuals, args = (list(sync.flat_shards(args[0])), args[1:]) if error_feedback else (None, args)
         state, args = (args[0], args[1:]) if has_state else (None, args)
 
-        def run(state, a, kw):
+        def run(state, residuals, a, kw):
             return sync.sharded_grad(loss_fn, has_aux, has_state, shards, state, a, kw,
                                      gather_max_in_flight=gather_max_in_flight,
-                                     reshard_after_forward=reshard_after_forward)
+                                     reshard_after_forward=reshard_after_forward, residuals=residuals)
 
         if microbatches == 1:
-            step, grads = run(state, args, kwargs)
+            step, grads, residuals = run(state, residuals, args, kwargs)
         else:
-            step, grads, _ = accumulate_shards(
-                sync, lambda st, _, a, kw: (*run(st, a, kw), None), state, None, args, kwargs, microbatches)
+            step, grads, residuals = accumulate_shards(sync, run, state, residuals, args, kwargs, microbatches)
         loss, grads = sync.finish(step.total, step.count, sync.pack_shards(grads))
-        return pack_value(loss, step.aux, step.state, has_aux, has_state), grads
+        value = pack_value(loss, step.aux, step.state, has_aux, has_state)
+        return (value, grads, sync.pack_shards(residuals)) if error_feedback else (value, grads)
 
     return wrapped
 
@@ -201,10 +213,11 @@ def _check_shards(sync: ChainedSync, param_shards: Any) -> list[jax.Array]:
 
 
 def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args, kwargs, *,
-                          gather_max_in_flight: int, reshard_after_forward: bool):
+                          gather_max_in_flight: int, reshard_after_forward: bool, residuals=None):
     """An unrolled model's ZeRO-3 micro-batch (``GradSync.sharded_grad``): the traced loss
     replayed with every bucket gathered at its first use; ``(LocalStep, flat float32 gradient
-    shards)``."""
+    shards, new residuals)``. ``residuals`` (error feedback, flat): added to each bucket's
+    gradient, once, as it is reduce-scattered; ``None`` without."""
     depth, reshard = gather_max_in_flight, reshard_after_forward
     flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
     # Traced on values typed like the gathered leaves (varying along the data axes; the shapes
@@ -239,15 +252,27 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     check_state_replicated(state, step.state, sync.data_axes)
     check_loss_varies(step.total, sync.data_axes)
 
-    def reduce(buckets: list) -> list:
-        return [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))
-                for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
-                                                  max_in_flight=sync.max_in_flight)]
+    def reduce(buckets: list, residuals: list | None = None) -> Any:
+        if residuals is None:
+            return [shard for chain, part in zip(sync.chains, sync.per_chain(buckets))
+                    for shard in chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
+                                                      max_in_flight=sync.max_in_flight)]
+        shards, new = [], []
+        for chain, part, mine in zip(sync.chains, sync.per_chain(buckets), sync.per_chain(residuals)):
+            out, fed = chain.reduce_scatter(part, mode=sync.reduce, divisor=divisor,
+                                            max_in_flight=sync.max_in_flight, residuals=mine)
+            shards.extend(out)
+            new.extend(fed)
+        return shards, new
 
     refs = sync.flat_chains
-    shards = sync.on_local_blocks(reduce, ([c.bucket_spec for c, _ in refs],), [c.shard_spec for c, _ in refs])(
-        list(buckets))
-    return step, list(shards)
+    bucket_specs, shard_specs = [c.bucket_spec for c, _ in refs], [c.shard_spec for c, _ in refs]
+    if residuals is None:
+        shards = sync.on_local_blocks(reduce, (bucket_specs,), shard_specs)(list(buckets))
+        return step, list(shards), None
+    shards, new = sync.on_local_blocks(reduce, (bucket_specs, bucket_specs), (shard_specs, bucket_specs))(
+        list(buckets), list(residuals))
+    return step, list(shards), list(new)
 
 
 def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
@@ -257,7 +282,9 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     gives local gradients); backward, the pieces' gradient laid back into the whole bucket, as
     ``dummy``'s cotangent. For a layer chain (inside a scan body; ``shard`` is one layer's row)
     the backward reduce-scatters the bucket there and then (mode ``mode``, divided by
-    ``divisor``) and the cotangent is the float32 shard: the stacked gradient is never formed.
+    ``divisor``) and the cotangent is the float32 shard: the stacked gradient is never formed;
+    with error feedback (``residual``: the layer's row of the bucket's residual) the residual is
+    added as it is sent, and the new one is ``residual``'s cotangent.
 
     Called from the ``"gspmd"`` step's data-parallel region, both directions run on local blocks
     in the sync's nested region (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`): the shard
@@ -301,21 +328,26 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
             _, shard = jax.lax.optimization_barrier((fence, shard))
         return sync.on_local_blocks(gather_pieces, (shard_spec,), piece_specs)(shard)
 
+    def reduce(pieces, residual=None):
+        with jax.named_scope(chain.bucket_scope(k)):
+            return chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor, residual=residual)
+
     @jax.custom_vjp
-    def gather(shard, dummy, fence):
+    def gather(shard, dummy, fence, residual):
         return forward(shard, fence)
 
-    def fwd(shard, dummy, fence):
-        return forward(shard, fence), None
+    def fwd(shard, dummy, fence, residual):
+        return forward(shard, fence), residual
 
-    def reduce(pieces):
-        with jax.named_scope(chain.bucket_scope(k)):
-            return chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor)
-
-    def bwd(_, pieces):
-        if in_loop:
-            return None, sync.on_local_blocks(reduce, (piece_specs,), shard_spec)(tuple(pieces)), None
-        return None, sync.on_local_blocks(lay_back, (piece_specs,), chain.bucket_spec)(tuple(pieces)), None
+    def bwd(residual, pieces):
+        if not in_loop:
+            return None, sync.on_local_blocks(lay_back, (piece_specs,), chain.bucket_spec)(tuple(pieces)), None, None
+        if residual is None:
+            return None, sync.on_local_blocks(reduce, (piece_specs,), shard_spec)(tuple(pieces)), None, None
+        bucket_spec = row(chain.bucket_spec)
+        shard, new = sync.on_local_blocks(reduce, (piece_specs, bucket_spec), (shard_spec, bucket_spec))(
+            tuple(pieces), residual)
+        return None, shard, None, new
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -331,12 +363,15 @@ class ParamRef:
 
 def replay_gathered(sync: ChainedSync, jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any],
                     refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array], dummies: Sequence[jax.Array],
-                    *, depth: int, reshard: bool, mode: str, divisor: int) -> list:
+                    *, depth: int, reshard: bool, mode: str, divisor: int,
+                    residuals: Sequence[jax.Array] | None = None) -> list:
     """Evaluates ``jaxpr`` with each :class:`ParamRef` input gathered from its bucket at its
     first use (inside the remat regions it is read in, with ``reshard``): bucket ``refs[b]`` of
-    ``sync``'s chains from ``shards[b]``, its gradient leaving as ``dummies[b]``'s cotangent. The
-    one replay an unrolled model's loss and a scanned model's layer body share."""
-    replay = _GatherReplay(sync, refs, shards, dummies, depth=depth, reshard=reshard, mode=mode, divisor=divisor)
+    ``sync``'s chains from ``shards[b]``, its gradient leaving as ``dummies[b]``'s cotangent
+    (a layer bucket's new error-feedback residual as ``residuals[b]``'s). The one replay an
+    unrolled model's loss and a scanned model's layer body share."""
+    replay = _GatherReplay(sync, refs, shards, dummies, depth=depth, reshard=reshard, mode=mode, divisor=divisor,
+                           residuals=residuals)
     return replay.run(jaxpr, consts, invals)
 
 
@@ -351,9 +386,14 @@ class _GatherReplay:
     """
 
     def __init__(self, sync: ChainedSync, refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array],
-                 dummies: Sequence[jax.Array], *, depth: int, reshard: bool, mode: str, divisor: int):
+                 dummies: Sequence[jax.Array], *, depth: int, reshard: bool, mode: str, divisor: int,
+                 residuals: Sequence[jax.Array] | None = None):
         self.refs, self.reshard = list(refs), reshard
         self.shards, self.dummies, self.depth = list(shards), list(dummies), depth
+        self.residuals = [None] * len(self.refs) if residuals is None else list(residuals)
+        # Bucket -> the region (remat equation, None: the top level) whose gather took its residual.
+        self.fed: dict[int, Any] = {}
+        self.region_key: Any = None
         self.gathers = [_make_gather(sync, chain, k, mode=mode, divisor=divisor) for chain, k in self.refs]
         # Which of ``refs`` hold each parameter leaf (by its index in the full tree).
         self.leaf_buckets: dict[int, list[int]] = {}
@@ -391,7 +431,14 @@ class _GatherReplay:
         if b not in self.gathered:
             i = len(self.uses)
             fence = self.uses[i - self.depth] if self.depth is not None and i >= self.depth else None
-            self.gathered[b] = self.gathers[b](self.shards[b], self.dummies[b], fence)
+            residual = self.residuals[b]
+            if residual is not None:
+                if self.fed.setdefault(b, self.region_key) is not self.region_key:
+                    raise ValueError(
+                        f"error feedback with shard_params=True: layer bucket {self.refs[b][1]} is read by two "
+                        "jax.checkpoint regions of the layer body, so its residual would be added to each of their "
+                        "gradients. Put each layer's parameters under one remat region, or use error_feedback=False")
+            self.gathered[b] = self.gathers[b](self.shards[b], self.dummies[b], fence, residual)
             self.uses.append(None)
             self.pending.append(i)
         return self.gathered[b]
@@ -444,7 +491,7 @@ class _GatherReplay:
         def region(uses: list, values: list) -> list:
             inner = _GatherReplay.__new__(_GatherReplay)
             inner.__dict__.update(self.__dict__)
-            inner.gathered, inner.uses, inner.pending = {}, list(uses), []
+            inner.gathered, inner.uses, inner.pending, inner.region_key = {}, list(uses), [], eqn
             full = list(raw)
             for i, x in zip(carried, values):
                 full[i] = x

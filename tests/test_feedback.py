@@ -47,11 +47,12 @@ def _trajectory(case, params, batches):
     return [params] + [_reference(case, params, batches[:t])[0] for t in range(1, len(batches))]
 
 
-def _largest_local_gradients(case, params, batch):
-    """Per leaf, the largest gradient element any data-parallel device computes on its share of
-    ``batch`` (times ``1 + 1/127``: the residual it adds is at most half an int8 step)."""
+def _largest_local_gradients(case, params, batch, sends: int = 1):
+    """Per leaf, the largest gradient element any data-parallel device sends for its share of
+    ``batch``, in ``sends`` parts (ZeRO-3 sends each micro-batch's) (times ``1 + 1/127``: the
+    residual it adds is at most half an int8 step)."""
     shape, names = case.mesh
-    devices = int(np.prod([n for n, name in zip(shape, names) if name in ("replica", "data", "expert")]))
+    devices = int(np.prod([n for n, name in zip(shape, names) if name in ("replica", "data", "expert")])) * sends
     split = jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), batch)
     local = jax.vmap(jax.grad(case.reference_loss), in_axes=(None, 0))(params, split)
     return jax.tree.map(lambda g: float(np.max(np.abs(np.asarray(g, np.float64)))) * (1 + 1 / 127), local)
@@ -209,6 +210,60 @@ def test_train_step_with_feedback_tracks_fp32_accum_closer_than_without():
     assert distance(fed) < 0.5 * distance(plain), (distance(fed), distance(plain))
 
 
+def test_shard_params_feeds_back_what_zero1_does():
+    """ZeRO-3 sends every bucket with the same residual added as ZeRO-1 (the gradient is the
+    same, gathered from the shards): parameters and residuals bit for bit after 6 steps, the
+    residuals non-zero; without feedback, ZeRO-3 lands elsewhere (the test can fail)."""
+    batches = [_batch(20 + i) for i in range(6)]
+
+    def run(**config):
+        step = _step(**config)
+        state = step.init()
+        for batch in batches:
+            state, _ = step(state, batch)
+        residuals = None if state.error_feedback is None else _leaves(state.error_feedback)
+        return step.master_params(state), residuals
+
+    (zero1, fed1), (zero3, fed3) = run(), run(shard_params=True)
+    assert len(fed3) == len(fed1) == 2 and all(r.any() for r in fed3)  # w and b, one bucket each
+    for a, b in zip(fed3, fed1):
+        np.testing.assert_array_equal(a, b)
+    for k in zero1:
+        np.testing.assert_array_equal(zero3[k], zero1[k])
+    unfed, _ = run(shard_params=True, error_feedback=False)
+    assert any(not np.array_equal(unfed[k], zero1[k]) for k in zero1)
+
+
+def test_shard_params_refuses_a_fed_layer_bucket_read_by_two_remat_regions():
+    """In a scanned stack, ZeRO-3 reduces a layer bucket in the backward rule of its gather; a
+    bucket read by two remat regions of the layer body is gathered (and reduced) in each, so its
+    residual would be added twice: refused with feedback, trained without."""
+    rng = np.random.default_rng(1)
+    params = {"a": jnp.asarray(rng.normal(size=(3, D)) * 0.3, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(3, D)) * 0.3, jnp.float32)}
+
+    def loss(p, batch):
+        def layer(h, q):
+            h = jax.checkpoint(lambda h, a: jnp.tanh(h * a))(h, q["a"])
+            return jax.checkpoint(lambda h, b: h + jnp.sin(h * b))(h, q["b"]), None
+
+        h, _ = jax.lax.scan(layer, batch["x"], p)
+        return jnp.mean(h ** 2)
+
+    def step(**config):
+        options = dict(bucket_size=10_000, reduce="int8_accum", shard_params=True, scan_layers=True) | config
+        return jd.make_train_step(params, loss, optax.sgd(0.1), data_mesh(8), jd.TrainConfig(**options),
+                                  example_batch=_batch(0))
+
+    built = step(error_feedback=True)
+    assert built.sync.chains[0].num_buckets == 1  # a and b in one layer bucket
+    with pytest.raises(ValueError, match="layer bucket 0 is read by two jax.checkpoint regions"):
+        built(built.init(), _batch(1))
+    plain = step()
+    _, metrics = plain(plain.init(), _batch(1))
+    assert np.isfinite(float(metrics.loss))
+
+
 def test_checkpoint_keeps_residuals_on_the_same_layout_and_restarts_them_elsewhere(tmp_path):
     step = _step()
     state, _ = step(step.init(), _batch(1))
@@ -270,36 +325,47 @@ def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
 # -- every mesh kind -----------------------------------------------------------------------------
 
 
+ZERO3_KINDS = ["gspmd", "gspmd_scanned", "scanned_outer"]
+
+
 @pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer",
-                                  "gspmd_scanned_outer"])
+                                  "gspmd_scanned_outer"] + [f"zero3:{k}" for k in ZERO3_KINDS])
 def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     """int8 wire + error feedback on tensor-parallel, replica x data x model (micro-batches),
     expert-parallel and scanned (outer axis, micro-batches; and a GSPMD one synced in its
-    backward scan) meshes: the params stay within the int8 wire's error of one-device optax, every chain carries residuals laid out over the axes
-    its buckets differ along, and a checkpoint resumes the residuals bit for bit."""
+    backward scan) meshes, and with ZeRO-3 (``zero3:``; a scanned stack's layer buckets fed in
+    the backward rule of their gathers): the params stay within the int8 wire's error of
+    one-device optax, every chain carries residuals laid out over the axes its buckets differ
+    along, and a checkpoint resumes the residuals bit for bit."""
     import dataclasses
 
     from test_train_meshes import CASES, LR, MAX_NORM, STEPS, WD, _batches, _reference, _step, assert_resumes_bit_for_bit
 
+    zero3 = kind.startswith("zero3:")
+    kind = kind.removeprefix("zero3:")
     case = dataclasses.replace(CASES[kind], config={**CASES[kind].config, "reduce": "int8_accum",
-                                                    "error_feedback": True})
+                                                    "error_feedback": True, "shard_params": zero3})
     params = case.params(np.random.default_rng(0))
     batches = _batches(1, STEPS + 2)
     step = _step(case, params, batches[0], cpu_devices)
     state = step.init(params)
     for batch in batches[:STEPS]:
         state, _ = step(state, batch)
+    held = step.master_params(state) if zero3 else jax.device_get(state.params)
     want, _, gradients = _reference(case, params, batches[:STEPS])
     # Each device sends its local gradient plus its residual, rounded to int8 steps of 1 / 127 of
     # its block's largest value (a block never spans two leaves, so at most the leaf's largest
     # local value, and the residual's half step more). What arrives is the gradient plus last
     # step's residual minus this one's: off by at most two half steps, one step, of the largest
-    # local gradient any device holds; the mean over devices keeps that bound.
-    local = [_largest_local_gradients(case, p, batch) for p, batch in zip(_trajectory(case, params, batches[:STEPS]),
-                                                                          batches[:STEPS])]
+    # local gradient any device holds; the mean over devices keeps that bound. ZeRO-3 sends each
+    # micro-batch's gradient with the residual the previous one left: the same telescoping sum,
+    # over the micro-batches' own largest gradients.
+    sends = case.config.get("microbatches", 1) if zero3 else 1
+    local = [_largest_local_gradients(case, p, batch, sends)
+             for p, batch in zip(_trajectory(case, params, batches[:STEPS]), batches[:STEPS])]
     int8 = adam_rounding_bounds(gradients, additions=1, rounding=1 / 127, gradient_scales=local, learning_rate=LR,
                                 params=params, max_norm=MAX_NORM, weight_decay=WD)
-    assert_within(jax.device_get(state.params), want, int8[-1], what=f"{kind}, int8 wire with feedback")
+    assert_within(held, want, int8[-1], what=f"{kind}, int8 wire with feedback")
     residuals = jax.tree.leaves(state.error_feedback)
     assert len(residuals) == sum(chain.num_buckets for chain in step.sync.chains)
     assert any(np.abs(np.asarray(r, np.float32)).max() > 0 for r in residuals)
