@@ -81,9 +81,9 @@ from jax_drain.optimizer import DistState
 
 PyTree = Any
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # Format 3 descriptions carry no checksum of their own; they are read without that check.
-_READABLE_FORMATS = (3, FORMAT_VERSION)
+_READABLE_FORMATS = (3, 4, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
 _SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it replaces
 _LOCK_FILE = ".jax_drain-saving"  # held (flock) by the process saving into the directory
@@ -292,11 +292,12 @@ def save_checkpoint_async(
         _check_order(directory, step, existing, supersede_newer)
         keys = [leaf[0] for leaf in description["leaves"]]
         arrays = dict(zip(keys, jax.tree.leaves(state)))
-        checksums = {key: _checksum(jax.device_get(x)) for key, x in arrays.items()}
+        checksums = _checksums(arrays)
         meta = {**description, "step": step, "extra": extra, "checksums": checksums}
         meta["digest"] = _digest(meta)
         if supersede_newer:
             _supersede(directory, [s for s in existing if s >= step])
+            _every_process_here("jax_drain superseded")
         pending = PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step), lock)
         _saves.started(pending)
     return pending
@@ -446,9 +447,18 @@ def _check_order(directory: pathlib.Path, step: int, existing: list[int], supers
                      f"it would never be restored as the latest; nothing was written. {branch}")
 
 
+def _every_process_here(name: str) -> None:
+    """A barrier of a multi-process run (nothing in one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
-    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix)."""
-    if not steps:
+    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix); in a
+    multi-process run the first process moves them."""
+    if not steps or jax.process_index() != 0:
         return
     aside = directory / _SUPERSEDED
     aside.mkdir(exist_ok=True)
@@ -524,6 +534,28 @@ class _DirectoryLock:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
         return cls(path, fd)
 
+    @classmethod
+    def acquire_for_run(cls, directory: pathlib.Path) -> "_DirectoryLock":
+        """:meth:`acquire` by this run: in a multi-process run the first process holds the lock
+        for all of them (they save one step together), and every process raises its error."""
+        if jax.process_count() == 1:
+            return cls.acquire(directory)
+        from jax.experimental import multihost_utils
+
+        lock, error = cls(directory / _LOCK_FILE, None), None
+        if jax.process_index() == 0:
+            try:
+                lock = cls.acquire(directory)
+            except (CheckpointBusyError, OSError) as e:
+                error = e
+        held = multihost_utils.process_allgather(np.array([error is None], np.int32))
+        if not np.asarray(held).all():
+            lock.release()
+            raise error or CheckpointBusyError(
+                f"process 0 of this run could not lock {directory} for saving (its error says why); nothing "
+                "was written.")
+        return lock
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -569,7 +601,7 @@ class _Saves:
             if previous is not None:
                 with contextlib.suppress(CheckpointSaveError):  # its error is its waiter's
                     previous.wait()
-            lock = _DirectoryLock.acquire(directory)
+            lock = _DirectoryLock.acquire_for_run(directory)
             try:
                 yield lock
             except BaseException:
@@ -656,9 +688,13 @@ def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], s
             arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
         except Exception as e:  # noqa: BLE001 - find which file is unreadable
             raise CheckpointCorruptError(_unreadable(directory, step, abstract, saved, e)) from e
-    checksums = saved.get("checksums", {})
-    for key, array in arrays.items():
-        if checksums.get(key) != _checksum(jax.device_get(array)):
+    recorded = saved.get("checksums", {})
+    # Descriptions before the layout-free checksums hold a sha256 of each whole array.
+    whole = {key: array for key, array in arrays.items() if not str(recorded.get(key, "")).startswith(_SUM_PREFIX)}
+    computed = _checksums({key: array for key, array in arrays.items() if key not in whole})
+    computed.update({key: _sha256(jax.device_get(array)) for key, array in whole.items()})
+    for key in arrays:
+        if recorded.get(key) != computed[key]:
             raise CheckpointCorruptError(_bad_array(directory, step, key, saved, "does not match its checksum"))
     return arrays
 
@@ -865,9 +901,92 @@ def _nodes(state: PyTree, kind: type) -> list[tuple[str, Any]]:
     return [(path_str(path), node) for path, node in found if isinstance(node, kind)]
 
 
-def _checksum(array: Any) -> str:
+def _sha256(array: Any) -> str:
+    """A whole array's checksum in descriptions of format 4 and before."""
     array = np.ascontiguousarray(np.asarray(array))
     return hashlib.sha256(str(array.dtype).encode() + str(array.shape).encode() + array.tobytes()).hexdigest()
+
+
+# A checksum that any process layout can compute and check without holding a whole array: the
+# sum (mod 2**64) over elements of a 64-bit mix of each element's global index and bits. Each
+# process sums the shards it owns (one replica of each), the processes' sums add up, and a
+# restore on another mesh or process count adds up the same terms.
+_SUM_PREFIX = "sum64:"
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_CHUNK = 1 << 22  # elements hashed at once: bounds the temporaries to a few times 32 MiB
+
+
+def _checksums(arrays: dict[str, Any]) -> dict[str, str]:
+    """Each array's layout-free checksum (``_SUM_PREFIX``, dtype, shape, sum); in a
+    multi-process run every process calls it with the same keys (one small all-gather)."""
+    keys = list(arrays)
+    partial = np.array([_owned_sum(arrays[k]) for k in keys], np.uint64)
+    spread = [isinstance(arrays[k], jax.Array) and not arrays[k].is_fully_addressable for k in keys]
+    if any(spread):
+        from jax.experimental import multihost_utils
+
+        # uint32 halves: without x64, JAX would narrow uint64 on the way.
+        gathered = np.asarray(multihost_utils.process_allgather(partial.view(np.uint32)), np.uint32)
+        summed = gathered.reshape(-1, len(keys) * 2).copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
+        partial = np.where(spread, summed, partial)
+    return {k: f"{_SUM_PREFIX}{np.dtype(arrays[k].dtype)}{list(np.shape(arrays[k]))}:{int(s):016x}"
+            for k, s in zip(keys, partial)}
+
+
+def _owned_sum(array: Any) -> int:
+    """This process's part of an array's checksum: the first replica of each shard it holds,
+    one shard at a time (the whole array for a numpy array)."""
+    shape = np.shape(array)
+    if isinstance(array, jax.Array):
+        parts = [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]
+    else:
+        parts = [(tuple(slice(None) for _ in shape), array)]
+    total = 0
+    for index, data in parts:
+        total = (total + int(_element_sum(_host_bits(data), index, shape))) % (1 << 64)
+    return total
+
+
+def _host_bits(data: Any) -> np.ndarray:
+    """An array's elements as unsigned integers of their own width, on the host."""
+    if isinstance(data, jax.Array) and jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(data)
+    host = np.ascontiguousarray(np.asarray(data))
+    width = host.dtype.itemsize
+    return host.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]) if width in (1, 2, 4, 8) \
+        else host.view(np.uint8)
+
+
+def _element_sum(bits: np.ndarray, index: tuple, shape: tuple[int, ...]) -> np.uint64:
+    """Sum over the block ``bits`` (at ``index`` of an array of ``shape``) of each element's mix
+    of global flat index and bits, mod 2**64."""
+    if bits.ndim != len(shape):  # wider-than-8-byte elements were viewed as bytes
+        shape, index = (*shape, bits.shape[-1]), (*index, slice(None))
+    starts = [0 if s.start is None else int(s.start) for s in index]
+    strides = np.cumprod((shape[1:] + (1,))[::-1])[::-1] if shape else np.array([], np.int64)
+    flat_bits = bits.reshape(-1)
+    # Global flat index of every element of the block, one leading-axis slab at a time.
+    inner = np.zeros((), np.uint64)
+    for d in range(1, bits.ndim):
+        axis = (starts[d] + np.arange(bits.shape[d], dtype=np.uint64)) * np.uint64(strides[d])
+        inner = np.add.outer(inner, axis)
+    inner = inner.reshape(-1)
+    rows = bits.shape[0] if bits.ndim else 1
+    per_row = max(inner.size, 1)
+    step = max(1, _CHUNK // per_row)
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            lead = ((starts[0] + np.arange(r0, r1, dtype=np.uint64)) * np.uint64(strides[0]))[:, None] if bits.ndim \
+                else np.zeros((1, 1), np.uint64)
+            flat_index = (lead + inner[None, :]).reshape(-1)
+            z = flat_index * _GOLDEN + flat_bits[r0 * per_row:r1 * per_row].astype(np.uint64)
+            z = (z ^ (z >> np.uint64(30))) * _MIX1
+            z = (z ^ (z >> np.uint64(27))) * _MIX2
+            z ^= z >> np.uint64(31)
+            total = total + z.sum(dtype=np.uint64)
+    return total
 
 
 def _handlers(ocp: Any) -> dict[str, Any]:
@@ -980,7 +1099,7 @@ def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:
             f"checkpoint step {step} in {directory} has format {meta.get('format')!r}; this "
             f"jax_drain reads formats {list(_READABLE_FORMATS)}"
         )
-    if meta["format"] == FORMAT_VERSION and meta.get("digest") != _digest(meta):
+    if meta["format"] >= 4 and meta.get("digest") != _digest(meta):
         raise CheckpointCorruptError(_corrupt(directory, step, "it does not match its checksum: it was edited or "
                                                                 "damaged after saving"))
     if meta.get("step", step) != step:

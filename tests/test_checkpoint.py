@@ -265,3 +265,28 @@ def test_a_kill_during_a_save_leaves_the_previous_step_restorable(tmp_path):
     state, _ = jd.restore_checkpoint(tmp_path / "ckpt", target)  # step 1, or step 2 if it finished
     w = np.asarray(state["w"])
     assert np.array_equal(w, np.arange(200_000)) or np.array_equal(w, 2 * np.arange(200_000))
+
+
+# -- checksums any process layout can check ----------------------------------------------------------
+
+
+def test_array_checksums_do_not_depend_on_the_layout_and_see_every_element():
+    """The checksum of an array is the same however it is sharded (so a restore on another mesh
+    or process count checks it shard by shard), and a changed or moved element changes it."""
+    from jax_drain.checkpoint import _checksums
+
+    rng = np.random.default_rng(0)
+    value = rng.normal(size=(16, 6)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    layouts = [value, jnp.asarray(value)] + [jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+                                             for spec in (P(), P("data"), P("data", "model"), P(None, "model"))]
+    sums = {_checksums({"x": x})["x"] for x in layouts}
+    assert len(sums) == 1 and sums.pop().startswith("sum64:float32[16, 6]:")
+    changed = value.copy()
+    changed.view(np.uint32)[7, 3] ^= 1  # one bit of one element
+    swapped = value.copy()
+    swapped[[2, 9]] = swapped[[9, 2]]  # two rows moved
+    base = _checksums({"x": value})["x"]
+    assert _checksums({"x": changed})["x"] != base and _checksums({"x": swapped})["x"] != base
+    as_bf16 = _checksums({"x": value.astype(jnp.bfloat16)})["x"]
+    assert as_bf16.startswith("sum64:bfloat16") and _checksums({"s": np.float32(2.5)})["s"].startswith("sum64:float32[]")

@@ -6,6 +6,7 @@ with the failing process's stderr instead of hanging. ``pytest -k multiprocess``
 
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,19 +17,70 @@ TIMEOUT_S = 240
 
 
 def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
+    """The syncs and the optimizer bit for bit one process's; and checkpoints of states whose
+    arrays span both processes (ZeRO-1 and ZeRO-3 on data=8): saved (sync and async) and
+    restored there, restored again in this one process, a damaged array refused."""
     start = time.monotonic()
-    stdouts = worker.launch_local(2, 4, tmp_path, timeout=TIMEOUT_S)
+    checkpoints = tmp_path / "ckpt"
+    stdouts = worker.launch_local(2, 4, tmp_path, timeout=TIMEOUT_S, checkpoint=checkpoints)
     assert all("8 devices" in out for out in stdouts), stdouts
     reference = worker.run(cpu_devices)  # this process's 8 devices, the same meshes and data
     assert {k.split("/")[0] for k in reference} == {"sync", "opt"}
     assert sum(k.startswith("sync/shard") for k in reference) >= 2
     for i in range(2):
         got = dict(np.load(tmp_path / f"process{i}.npz"))
+        saved = {k: got.pop(k) for k in list(got) if k.startswith("ckpt/")}
         assert worker.compare(got, reference) == [], f"process {i}"
+        assert saved["ckpt/zero1/restored_equal"] == 1 and saved["ckpt/zero3/restored_equal"] == 1, f"process {i}"
     # Shards, parameters and master weights bit for bit (compare's rule); the optimizer moved them.
     first, last = reference["opt/loss0"], reference["opt/loss2"]
     assert last < first and np.all(np.isfinite(reference["opt/params/w1"]))
+    _restore_in_one_process(checkpoints, saved, cpu_devices)
     print(f"multiprocess run + reference: {time.monotonic() - start:.1f} s")
+
+
+def _restore_in_one_process(checkpoints, saved, cpu_devices):
+    """The two processes' checkpoints restored by this one (8 devices, the same mesh; ZeRO-3's
+    into a 4-device ZeRO-1 step too): the master weights they held, bit for bit; then a
+    flipped byte in step 3 is refused naming its file, and the newest intact step restored."""
+    import optax
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    host = {"w1": np.zeros((worker.D, worker.H), np.float32), "b1": np.zeros((worker.H,), np.float32),
+            "w2": np.zeros((worker.H, worker.D), np.float32)}
+    batch = np.zeros((32, worker.D), np.float32)
+
+    def step_on(n, shard_params):
+        mesh = Mesh(np.array(cpu_devices[:n]), ("data",))
+        return jd.make_train_step(host, worker._mlp_loss, optax.adam(1e-2), mesh,
+                                  jd.TrainConfig(bucket_size=1024, shard_params=shard_params), example_batch=batch)
+
+    for kind, shard_params in (("zero1", False), ("zero3", True)):
+        step = step_on(8, shard_params)
+        state, extra = jd.restore_checkpoint(checkpoints / kind, step.abstract_state())
+        assert extra == {"kind": kind}
+        for k, m in enumerate(state.opt_state.master):
+            np.testing.assert_array_equal(np.asarray(m), saved[f"ckpt/{kind}/master{k}"])
+    want = step.master_params(state)  # ZeRO-3's, restored on 8 devices
+    moved = step_on(4, False)
+    state, _ = jd.restore_checkpoint(checkpoints / "zero3", moved.abstract_state())
+    for got, expected in zip(jax.tree.leaves(moved.master_params(state)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+    files = sorted(p for p in (checkpoints / "zero1" / "3" / "state").rglob("*") if p.is_file() and p.name[0].isdigit())
+    assert files
+    damaged = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    step = step_on(8, False)
+    with pytest.raises(jd.CheckpointCorruptError, match="checkpoint step"):
+        jd.restore_checkpoint(checkpoints / "zero1", step.abstract_state(), step=3)
+    with pytest.warns(UserWarning, match="Trying the previous step"):
+        state, _ = jd.restore_checkpoint(checkpoints / "zero1", step.abstract_state())
+    assert int(state.step) == 2
 
 
 def test_multiprocess_launcher_fails_fast_when_a_process_dies_or_hangs(tmp_path):

@@ -169,6 +169,49 @@ def run(devices: Sequence[Any], steps: int = 3, seed: int = 0) -> dict[str, np.n
     return out
 
 
+def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: int = 1) -> dict[str, np.ndarray]:
+    """Checkpoints of train states whose arrays span processes, on a plain data-parallel mesh
+    over ``devices``: ZeRO-1 (parameters replicated, master shards over data) and ZeRO-3
+    (parameters sharded too). Each trains 2 steps, saves step 2 (and ZeRO-1 an async step 3),
+    restores the newest step into a fresh abstract state and checks every shard this process
+    holds against the state it saved. Returns ``ckpt/*`` results: the master weights (whole)
+    and ``ckpt/<kind>/restored_equal`` (1 where every held shard came back bit for bit)."""
+    import jax
+    import optax
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    devices = sorted_devices(devices)
+    mesh = Mesh(np.array(devices), ("data",))
+    rng = np.random.default_rng(seed)
+    host = {"w1": rng.normal(size=(D, H)).astype(np.float32) / 4, "b1": rng.normal(size=(H,)).astype(np.float32),
+            "w2": rng.normal(size=(H, D)).astype(np.float32) / 4}
+    batches = [rng.normal(size=(len(devices) * 4, D)).astype(np.float32) for _ in range(3)]
+    out: dict[str, np.ndarray] = {}
+    for kind, shard_params in (("zero1", False), ("zero3", True)):
+        where = Path(directory) / kind
+        step = jd.make_train_step(host, _mlp_loss, optax.adam(1e-2), mesh,
+                                  jd.TrainConfig(bucket_size=1024, shard_params=shard_params, donate=False),
+                                  example_batch=batches[0])
+        state = step.init()
+        for x in batches[:2]:
+            state, _ = step(state, x)
+        jd.save_checkpoint(where, state, extra={"kind": kind})
+        if not shard_params:
+            state, _ = step(state, batches[2])
+            jd.save_checkpoint_async(where, state, extra={"kind": kind}).wait()
+        restored, extra = jd.restore_checkpoint(where, step.abstract_state())
+        same = extra == {"kind": kind} and int(restored.step) == int(state.step)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            for sa, sb in zip(a.addressable_shards, b.addressable_shards):
+                same = same and sa.index == sb.index and np.array_equal(np.asarray(sa.data), np.asarray(sb.data))
+        out[f"ckpt/{kind}/restored_equal"] = np.array(int(same))
+        for k, m in enumerate(state.opt_state.master):
+            out[f"ckpt/{kind}/master{k}"] = fetch(m)
+    return out
+
+
 # The reported loss is a pmean over devices: gloo and XLA:CPU's in-process all-reduce may add
 # the per-device losses in different orders (one float32 ulp). Gradients never go through such
 # a sum: an all-to-all plus a local sum in a fixed order, then a 2-way (exact) outer sum. Two
@@ -214,6 +257,7 @@ def launch_local(
     out_dir: str | os.PathLike,
     timeout: float = LAUNCH_TIMEOUT_S,
     crash: Sequence[int] = (),
+    checkpoint: str | os.PathLike | None = None,
 ) -> list[str]:
     """Runs ``num_processes`` CPU workers on localhost (gloo collectives) and waits for them.
 
@@ -221,7 +265,7 @@ def launch_local(
     after killing the rest -- as soon as one exits with an error (a surviving process would
     wait for it in a collective forever), or when ``timeout`` seconds pass; the message holds
     the failing process's stderr tail. ``crash``: process ids told to exit at start (to test
-    exactly that).
+    exactly that). ``checkpoint``: a directory for :func:`run_checkpoint` (``--checkpoint``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,6 +280,8 @@ def launch_local(
                "--num-processes", str(num_processes), "--process-id", str(i), "--out", str(out_dir)]
         if i in crash:
             cmd.append("--crash")
+        if checkpoint is not None:
+            cmd += ["--checkpoint", str(checkpoint)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log_out, stderr=log_err, cwd=root))
 
     def tail(i: int) -> str:
@@ -338,6 +384,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs=2, metavar="NPZ", help="compare two result files and exit")
     p.add_argument("--rtol", type=float, default=0.0,
                    help=f"with --compare: 0 means bit for bit (losses to {LOSS_RTOL}); e.g. 1e-5 for GPU vs CPU")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="also save and restore train states spanning the processes into DIR (run_checkpoint)")
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--crash-after-join", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -355,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout is not None and not args.timeout > 0:
         _parser().error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.launch:
-        launch_local(args.launch, args.devices_per_process, args.out, args.timeout or LAUNCH_TIMEOUT_S)
+        launch_local(args.launch, args.devices_per_process, args.out, args.timeout or LAUNCH_TIMEOUT_S,
+                     checkpoint=args.checkpoint)
         print(f"{args.launch} processes finished; results in {args.out}")
         return 0
     if args.crash:
@@ -408,6 +457,8 @@ def _run_and_save(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     results = run(jax.devices(), steps=args.steps)
+    if args.checkpoint:
+        results.update(run_checkpoint(jax.devices(), args.checkpoint))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     np.savez(Path(args.out) / f"process{jax.process_index()}.npz", **results)
     print(f"process {jax.process_index()}/{jax.process_count()}: {len(jax.devices())} devices, "
