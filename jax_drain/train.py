@@ -632,12 +632,14 @@ class TrainStep:
     @_on_own_mesh
     def master_params(self, state: TrainState) -> PyTree:
         """The float32 master weights as a params-shaped tree of host arrays (global shapes), in
-        the model's own dtypes: what a ``param_dtype`` policy trains, at full precision."""
+        the model's own dtypes: what a ``param_dtype`` policy trains, at full precision. In a
+        multi-process run every process calls it and gets the whole tree (the shards other
+        processes hold are gathered)."""
         _check_not_consumed(state)
         if state.opt_state is None:  # not stepped yet (built without example_batch): the model's own
-            return jax.tree.map(np.asarray, jax.device_get(state.params))
+            return jax.tree.map(_whole_on_host, state.params)
         description = json.loads(state.opt_state.layout.description)
-        by_path = host_to_params(description, [np.asarray(jax.device_get(m)) for m in state.opt_state.master])
+        by_path = host_to_params(description, [_whole_on_host(m) for m in state.opt_state.master])
         return jax.tree.unflatten(jax.tree.structure(self._model_params), [
             by_path[path].astype(x.dtype) for path, x in zip(leaf_paths(self._model_params),
                                                                jax.tree.leaves(self._model_params))
@@ -1265,6 +1267,16 @@ def _check_no_aliases(state: Any) -> None:
                     f"the state holds one array twice ({first} and {name}); its buffers are donated to the step, "
                     "and one buffer cannot be donated twice. Give each leaf its own array (jnp.copy), or build the "
                     "step with TrainConfig(donate=False)")
+
+
+def _whole_on_host(x: Any) -> np.ndarray:
+    """A global array's whole value on this host, gathered from the other processes if it spans
+    them (every process must call it then)."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 def _check_not_consumed(state: Any) -> None:

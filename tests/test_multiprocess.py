@@ -63,6 +63,8 @@ def _restore_in_one_process(checkpoints, saved, cpu_devices):
         assert extra == {"kind": kind}
         for k, m in enumerate(state.opt_state.master):
             np.testing.assert_array_equal(np.asarray(m), saved[f"ckpt/{kind}/master{k}"])
+        for name, value in step.master_params(state).items():  # as the two processes read them
+            np.testing.assert_array_equal(value, saved[f"ckpt/{kind}/master_params/{name}"])
     want = step.master_params(state)  # ZeRO-3's, restored on 8 devices
     moved = step_on(4, False)
     state, _ = jd.restore_checkpoint(checkpoints / "zero3", moved.abstract_state())

@@ -209,6 +209,8 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
         out[f"ckpt/{kind}/restored_equal"] = np.array(int(same))
         for k, m in enumerate(state.opt_state.master):
             out[f"ckpt/{kind}/master{k}"] = fetch(m)
+        for name, value in step.master_params(state).items():  # whole on every process
+            out[f"ckpt/{kind}/master_params/{name}"] = value
     return out
 
 
