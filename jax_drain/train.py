@@ -552,9 +552,58 @@ class TrainStep:
         return lowered
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """``batch`` placed on the mesh, split over the data axes (checks divisibility)."""
+        """``batch`` (the global batch) placed on the mesh, split over the data axes (checks
+        divisibility). In a multi-process run a host (numpy) batch is the global batch, the same
+        on every process: each process places the rows its devices take from its own copy,
+        without comparing the copies. For per-process rows use :meth:`local_batch`."""
         batch = self._check_batch(batch)
-        return jax.device_put(batch, NamedSharding(self.mesh, self._batch_spec))
+        sharding = NamedSharding(self.mesh, self._batch_spec)
+        if jax.process_count() == 1:
+            return jax.device_put(batch, sharding)
+
+        def place(x):
+            if isinstance(x, jax.Array):
+                return jax.device_put(x, sharding)
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(place, batch)
+
+    def local_batch(self, rows: PyTree) -> PyTree:
+        """The global batch of a multi-process run from each process's own ``rows`` (every
+        process calls it): their concatenation in process order (on a mesh whose data axes run
+        over the processes in order, as ``jax.make_mesh`` lays them out), placed on the mesh; what
+        ``step(state, ...)`` takes. Every process must pass as many rows, a multiple of its
+        share of the data-parallel devices x micro-batches; a mismatch is refused on every
+        process, naming the process and the shape expected.
+
+        Example::
+
+            rows = next(my_loader)                      # this host's rows, e.g. 8 of a 16-row batch
+            state, metrics = step(state, step.local_batch(rows))
+        """
+        leaves = jax.tree.leaves(rows)
+        if not leaves:
+            raise ValueError("the batch has no arrays")
+        counts = [int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            every = np.asarray(multihost_utils.process_allgather(np.array(counts, np.int64)))
+        else:
+            every = np.array([counts])
+        first = every[0]
+        for process, mine in enumerate(every):
+            if not np.array_equal(mine, first) or len(set(mine.tolist())) > 1:
+                raise ValueError(
+                    f"local_batch: process {process} passed {mine.tolist()} rows (per leaf), process 0 "
+                    f"{first.tolist()}: every process passes the same number of rows, {int(first[0])} in every "
+                    "leaf (the global batch is their concatenation in process order)")
+        global_rows = int(first[0]) * jax.process_count()
+        self._check_batch(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((global_rows, *np.shape(x)[1:]), np.asarray(x).dtype), rows))
+        sharding = NamedSharding(self.mesh, self._batch_spec)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), rows)
 
     @_on_own_mesh
     def abstract_state(self) -> TrainState:

@@ -30,8 +30,12 @@ def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
     for i in range(2):
         got = dict(np.load(tmp_path / f"process{i}.npz"))
         saved = {k: got.pop(k) for k in list(got) if k.startswith("ckpt/")}
+        inputs = {k: got.pop(k) for k in list(got) if k.startswith("input/")}
         assert worker.compare(got, reference) == [], f"process {i}"
         assert saved["ckpt/zero1/restored_equal"] == 1 and saved["ckpt/zero3/restored_equal"] == 1, f"process {i}"
+        # A global numpy batch and the processes' own rows are one batch: the same step.
+        assert inputs["input/global_loss"] == inputs["input/local_loss"], inputs
+        assert "process 1 passed [15] rows (per leaf), process 0 [16]" in str(inputs["input/refused"]), inputs
     # Shards, parameters and master weights bit for bit (compare's rule); the optimizer moved them.
     first, last = reference["opt/loss0"], reference["opt/loss2"]
     assert last < first and np.all(np.isfinite(reference["opt/params/w1"]))

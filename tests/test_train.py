@@ -220,6 +220,21 @@ def test_bad_input_is_refused_before_running(fp32_runs):
         jd.make_train_step(GPT(CONFIG, rngs=nnx.Rngs(0)), _loss, _tx(), data_mesh(8), jd.TrainConfig(axis="dp"))
 
 
+def test_local_batch_in_one_process_is_the_batch_and_checks_it(fp32_runs):
+    """One process's rows are the whole batch: the same step as passing it; rows that do not
+    split over the devices and micro-batches are refused (multi-process: test_multiprocess.py)."""
+    batches, runs = fp32_runs
+    step = runs[4][0]
+    state = step.init()
+    placed = step.local_batch(batches[0])
+    assert placed["tokens"].sharding.spec == step.shard_batch(batches[0])["tokens"].sharding.spec
+    _, via_local = step(state, placed)
+    _, direct = step(step.init(), batches[0])
+    assert float(via_local.loss) == float(direct.loss)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        step.local_batch({"tokens": batches[0]["tokens"][:16]})
+
+
 def test_bucket_order_is_traced_from_the_first_batch_without_example_batch(fp32_runs):
     """No example_batch: the first call traces the gradient-ready order, the same order (and
     layout) as with example_batch, never reverse pytree order."""

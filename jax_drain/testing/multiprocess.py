@@ -207,10 +207,32 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
             for sa, sb in zip(a.addressable_shards, b.addressable_shards):
                 same = same and sa.index == sb.index and np.array_equal(np.asarray(sa.data), np.asarray(sb.data))
         out[f"ckpt/{kind}/restored_equal"] = np.array(int(same))
+        if not shard_params:
+            out.update(_input_rules(step, restored, batches[2]))
         for k, m in enumerate(state.opt_state.master):
             out[f"ckpt/{kind}/master{k}"] = fetch(m)
         for name, value in step.master_params(state).items():  # whole on every process
             out[f"ckpt/{kind}/master_params/{name}"] = value
+    return out
+
+
+def _input_rules(step: Any, state: Any, batch: np.ndarray) -> dict[str, np.ndarray]:
+    """One step on ``batch`` given as the global numpy batch and as each process's own rows
+    (``step.local_batch``): the same loss; and rows of another size on the last process refused
+    on every process. ``input/*`` results."""
+    import jax
+
+    n, me = jax.process_count(), jax.process_index()
+    share = batch.shape[0] // n
+    _, whole = step(state, batch)
+    _, local = step(state, step.local_batch(batch[me * share:(me + 1) * share]))
+    out = {"input/global_loss": fetch(whole.loss), "input/local_loss": fetch(local.loss)}
+    wrong = batch[me * share:(me + 1) * share - (1 if me == n - 1 else 0)]
+    try:
+        step.local_batch(wrong)
+        out["input/refused"] = np.array("")
+    except ValueError as e:
+        out["input/refused"] = np.array(str(e))
     return out
 
 
