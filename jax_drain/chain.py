@@ -813,7 +813,7 @@ def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarr
         rows, shape, spec, global_shape = placed[(c, path)]
         array = out.setdefault(path, np.zeros(global_shape, flat.dtype))
         sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
-        array[_block(spec, [*rows, *shape], ranks[c][r], sizes)] = flat.reshape(*rows, *shape)
+        array[_block(spec, [*rows, *shape], ranks[c][r], sizes)] = flat.reshape((*rows, *shape))
     return out
 
 
@@ -850,6 +850,13 @@ def _spec_major(chain: dict[str, Any], whole: np.ndarray, inverse: bool = False)
     first, second = (data_ranks, spec_ranks) if not inverse else (spec_ranks, data_ranks)
     blocks = whole.reshape(*rows, first, second, size // (spec_ranks * data_ranks))
     return np.swapaxes(blocks, -3, -2).reshape(*rows, size)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` if it is a bool (Python or numpy), else ``TypeError`` naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r:.60}")
+    return bool(value)
 
 
 def check_microbatches(k: Any) -> int:

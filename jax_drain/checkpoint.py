@@ -329,6 +329,7 @@ def restore_checkpoint(
             matching its checksum. The error names the file.
     """
     directory = _directory(directory)
+    _check_target(target)
     steps = _steps(directory)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
@@ -368,7 +369,11 @@ def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict of JSON values (or None), got {type(extra).__name__}; nothing was "
                         "written")
-    back = json.loads(json.dumps(extra))
+    try:
+        back = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must hold JSON values (str, int, float, bool, None, lists, dicts): {e}. Convert numpy "
+                        "values with .item() or .tolist(); nothing was written") from None
     if back != extra:
         raise ValueError(f"extra would not read back as given ({extra!r} reads back as {back!r}): use string keys "
                          "and lists, not tuples; nothing was written")
@@ -388,6 +393,19 @@ def _check_leaves(state: PyTree) -> None:
                         f"{type(state).__name__}: a restore names every array by its path; wrap it, e.g. "
                         "{'x': x}; nothing was written")
     for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state)):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"save_checkpoint: state leaf {path!r} was deleted: the state was consumed by a train step that "
+                "donated it (TrainConfig(donate=True)). Save the state the step returned; nothing was written.")
+        if isinstance(leaf, (jax.Array, np.ndarray)) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"save_checkpoint: state leaf {path!r} is a typed PRNG key array ({leaf.dtype}): save its bits, "
+                "jax.random.key_data(key), and rebuild it with jax.random.wrap_key_data after the restore; "
+                "nothing was written.")
+        if isinstance(leaf, (jax.Array, np.ndarray)) and np.size(leaf) == 0:
+            raise ValueError(
+                f"save_checkpoint: state leaf {path!r} has no elements (shape {list(np.shape(leaf))}); the checkpoint "
+                "format (orbax) stores no empty arrays. Leave it out of the state; nothing was written.")
         if isinstance(leaf, (jax.Array, np.ndarray)):
             continue
         if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -401,6 +419,17 @@ def _check_leaves(state: PyTree) -> None:
             "a checkpoint restores arrays placed with shardings. Keep it in the state as an array "
             "(jnp.asarray(x)), or pass plain values in extra={...}; nothing was written."
         )
+
+
+def _check_target(target: PyTree) -> None:
+    """A restore target: a pytree of arrays or ``jax.ShapeDtypeStruct``s."""
+    leaves = jax.tree.leaves(target)
+    bad = [(path, leaf) for path, leaf in zip(leaf_paths(target), leaves)
+           if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+    if not leaves or bad:
+        what = f"leaf {bad[0][0]!r} is a {type(bad[0][1]).__name__} ({bad[0][1]!r:.40})" if bad else "it has no leaves"
+        raise TypeError(f"restore_checkpoint: target must be a pytree of arrays or jax.ShapeDtypeStructs with "
+                        f"shardings, e.g. train_step.abstract_state(); {what}")
 
 
 def _step_number(state: PyTree, step: Any) -> int:

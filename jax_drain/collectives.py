@@ -113,7 +113,7 @@ _WIRE = {
 
 def check_mode(mode: str) -> str:
     """Returns ``mode`` if it is a known reduce mode, else raises ``ValueError``."""
-    if mode not in REDUCE_MODES:
+    if not isinstance(mode, str) or mode not in REDUCE_MODES:
         raise ValueError(f"unknown reduce mode {mode!r}; choose one of {', '.join(REDUCE_MODES)}")
     return mode
 

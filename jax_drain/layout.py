@@ -221,6 +221,9 @@ class BucketLayout:
         if not leaves:
             raise ValueError("the parameter tree has no leaves; nothing to synchronise")
         paths = unique_leaf_paths(tree)
+        if all(math.prod(np.shape(leaf)) == 0 for leaf in leaves):
+            raise ValueError(f"every parameter leaf has no elements ({paths[:4]} ...); nothing to synchronise: train "
+                             "at least one non-empty parameter")
         for path, leaf in zip(paths, leaves):
             dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
             if not jnp.issubdtype(dtype, jnp.floating):

@@ -66,12 +66,18 @@ def local_value_and_grad(
     return fn
 
 
+def _pair(out: Any, rule: str) -> tuple[Any, Any]:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"{rule}, a pair; got {type(out).__name__} {out!r:.60}")
+    return out[0], out[1]
+
+
 def split_output(out: Any, has_aux: bool, has_state: bool) -> LocalStep:
     """A loss function's output as a :class:`LocalStep` (see :func:`local_value_and_grad`)."""
     new_state = None
     if has_state:
-        out, new_state = out
-    value, aux = out if has_aux else (out, None)
+        out, new_state = _pair(out, "has_state=True: loss_fn returns (output, new_state)")
+    value, aux = _pair(out, "has_aux=True: loss_fn returns (loss, aux)") if has_aux else (out, None)
     if isinstance(value, WeightedLoss):
         total, count = value.total, jnp.asarray(value.count, jnp.float32)
     else:

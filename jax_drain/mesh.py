@@ -128,7 +128,7 @@ TENSOR_PARALLEL_MODES = ("manual", "gspmd")
 
 def check_tensor_parallel(mode: Any) -> str:
     """Returns ``mode`` if it is one of ``TENSOR_PARALLEL_MODES``, else raises ``ValueError``."""
-    if mode not in TENSOR_PARALLEL_MODES:
+    if not isinstance(mode, str) or mode not in TENSOR_PARALLEL_MODES:
         raise ValueError(
             f"tensor_parallel must be 'manual' (the loss runs on local blocks and psums over the model "
             f"axis itself) or 'gspmd' (the loss is written for global shapes; XLA partitions it), got {mode!r}"

@@ -95,7 +95,8 @@ from jax.sharding import Mesh, PartitionSpec
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body
 from jax_drain.chain import (
-    SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, build_chain, check_microbatches, check_state_replicated,
+    SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, build_chain, check_flag, check_microbatches,
+    check_state_replicated,
 )
 from jax_drain.collectives import check_mode, check_wire_dtype
 from jax_drain.drain import drain_depth, sequenced_map
@@ -207,8 +208,8 @@ class ScanGradSync(ChainedSync):
         self.axis_size = int(mesh.shape[axis])
         self.reduce = check_mode(reduce)
         check_wire_dtype(self.reduce, wire_dtype)
-        self.average = bool(average)
-        self.drain = bool(drain)
+        self.average = check_flag(average, "average")
+        self.drain = check_flag(drain, "drain")
         self.max_in_flight = drain_depth(drain, max_in_flight)
         self.placements = tuple(place_leaves(params, mesh, self.axes, self.outer_axes, param_specs))
         self._treedef = jax.tree.structure(params)
@@ -228,7 +229,7 @@ class ScanGradSync(ChainedSync):
         order = None if order is None else check_order(order, len(self.placements))
         chain = lambda name, scope, leaves, layers: build_chain(
             name, scope, mesh, self.placements, leaves, self.axes, self.outer_axes,
-            bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=split_leaves,
+            bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=check_flag(split_leaves, "split_leaves"),
             wire_dtype=wire_dtype, data_major=gspmd)
         #: The bucket chains, dispatch order: one layer's buckets (reduced inside the backward
         #: scan, shards ``[num_layers, size]``), then the other leaves' (after the loop).

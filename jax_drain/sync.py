@@ -59,7 +59,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat, zero3
 from jax_drain.chain import (
-    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_microbatches, check_state_replicated, split_microbatches,
+    SCOPE_PREFIX, BucketChain, ChainedSync, build_chain, check_flag, check_microbatches, check_state_replicated,
+    split_microbatches,
 )
 from jax_drain.collectives import check_float_dtype, check_mode, check_wire_dtype, mean_predivisor
 from jax_drain.drain import drain_depth
@@ -204,15 +205,15 @@ class GradSync(ChainedSync):
         self.expert_axis = expert_axis
         self.reduce = check_mode(reduce)
         check_wire_dtype(self.reduce, wire_dtype)
-        self.average = bool(average)
-        self.drain = bool(drain)
+        self.average = check_flag(average, "average")
+        self.drain = check_flag(drain, "drain")
         self.max_in_flight = drain_depth(drain, max_in_flight)
         self._treedef = jax.tree.structure(params)
         order = None if order is None else check_order(order, len(self.placements))
 
         dense = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
         expert_idx = tuple(i for i, pl in enumerate(self.placements) if pl.expert)
-        self.split_leaves = bool(split_leaves)
+        self.split_leaves = check_flag(split_leaves, "split_leaves")
         chain = lambda name, scope, leaves, axes: build_chain(
             name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
             split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd)

@@ -99,7 +99,7 @@ from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, zero3
-from jax_drain.chain import ChainedSync, check_microbatches, host_to_params
+from jax_drain.chain import ChainedSync, check_flag, check_microbatches, host_to_params
 from jax_drain.collectives import check_float_dtype, check_wire_dtype
 from jax_drain.feedback import (
     FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,
@@ -237,8 +237,7 @@ class TrainConfig:
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
         for name in ("drain", "donate", "skip_nonfinite", "split_leaves", "error_feedback", "shard_params",
                      "reshard_after_forward"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_flag(getattr(self, name), name)
         for name in ("param_dtype", "wire_dtype", "accum_dtype"):
             object.__setattr__(self, name, check_float_dtype(getattr(self, name), name))
         axes = as_axes(self.axis, "axis")
@@ -684,6 +683,9 @@ class TrainStep:
         the model's own dtypes: what a ``param_dtype`` policy trains, at full precision. In a
         multi-process run every process calls it and gets the whole tree (the shards other
         processes hold are gathered)."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"master_params takes the TrainState from step.init(), a step or a restore, got "
+                            f"{type(state).__name__}")
         _check_not_consumed(state)
         if state.opt_state is None:  # not stepped yet (built without example_batch): the model's own
             return jax.tree.map(_whole_on_host, state.params)
@@ -1060,6 +1062,10 @@ def make_train_step(
         raise TypeError(f"config must be a jax_drain.TrainConfig, got {type(config).__name__}"
                         + (": use jd.TrainConfig(**config)" if isinstance(config, Mapping) else ""))
     check_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError("make_train_step runs on devices: mesh must be a jax.sharding.Mesh, got an AbstractMesh (no "
+                        "devices). To compile without running, build the step on compile-only devices "
+                        "(jax_drain.planner.targets.gpu_mesh) and call step.lower(...)")
     collections = _check_mutable(model, mutable)
     # Shardings declared on the model (read when param_specs is not given), before anything is traced.
     declare = lambda source: None if config.param_specs is not None else declared_specs(

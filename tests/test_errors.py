@@ -477,3 +477,53 @@ def test_update_model_names_what_it_was_given():
         step.update_model(model, None)
     with pytest.raises(TypeError, match="update_model writes into the nnx model"):
         step.update_model("bogus", state)
+
+
+# -- values of the wrong kind where the libraries underneath would fail in their own words -------------
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), drain=np.ones(3)), TypeError, "drain must be True or False"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), average=np.ones(3)), TypeError, "average must be True or False"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), split_leaves=np.ones(3)), TypeError,
+     "split_leaves must be True or False"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), reduce=np.ones(3)), ValueError, "unknown reduce mode"),
+    (lambda: jd.GradSync(_STEP_PARAMS, data_mesh(8), tensor_parallel=np.ones(3)), ValueError,
+     "tensor_parallel must be 'manual'"),
+    (lambda: jd.GradSync({"z": jnp.zeros((0,)), "y": jnp.zeros((3, 0))}, data_mesh(8)), ValueError,
+     "every parameter leaf has no elements"),
+    (lambda: jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8).abstract_mesh),
+     TypeError, "mesh must be a jax.sharding.Mesh, got an AbstractMesh"),
+    (lambda: jd.save_checkpoint("/tmp/never", {"k": jax.random.key(0)}, step=1), TypeError,
+     "'k' is a typed PRNG key array .* jax.random.key_data"),
+    (lambda: jd.save_checkpoint("/tmp/never", {"z": jnp.zeros((0,)), "w": jnp.ones(2)}, step=1), ValueError,
+     "'z' has no elements"),
+    (lambda: jd.save_checkpoint("/tmp/never", {"w": jnp.ones(2)}, step=1, extra={"x": np.float32(1)}), TypeError,
+     "extra must hold JSON values .* .item\\(\\)"),
+    (lambda: jd.restore_checkpoint("/tmp/never", {"a": 1}), TypeError,
+     "target must be a pytree of arrays or jax.ShapeDtypeStructs .* leaf 'a' is a int"),
+], ids=["drain", "average", "split_leaves", "reduce", "tensor_parallel", "only_empty_leaves", "abstract_mesh",
+        "key_leaf", "empty_leaf", "extra_numpy", "restore_target"])
+def test_values_the_libraries_underneath_would_reject_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_step_misuse_of_its_results_is_named(tmp_path):
+    """master_params of something that is not a state; a loss declared with aux that returns
+    none; saving a state a donating step consumed; a scalar parameter read back."""
+    params = {**_STEP_PARAMS, "t": jnp.asarray(0.5, jnp.float32)}  # a scalar parameter too
+    loss = lambda p, b: _product_loss(p, b) * p["t"]  # noqa: E731
+    step = jd.make_train_step(params, loss, optax.sgd(0.1), data_mesh(8), example_batch=_STEP_BATCH)
+    with pytest.raises(TypeError, match="master_params takes the TrainState .* got NoneType"):
+        step.master_params(None)
+    state = step.init()
+    new, _ = step(state, _STEP_BATCH)
+    assert step.master_params(new)["t"].shape == () and float(step.master_params(new)["t"]) != 0.5
+    with pytest.raises(ValueError, match="'params/a' was deleted: the state was consumed by a train step"):
+        jd.save_checkpoint(tmp_path / "ckpt", state, step=1)
+    sync = jd.GradSync(_STEP_PARAMS, data_mesh(8))
+    fn = jax.shard_map(sync.value_and_grad(_product_loss, has_aux=True), mesh=data_mesh(8),
+                       in_specs=(jax.sharding.PartitionSpec(), sync.batch_spec), out_specs=jax.sharding.PartitionSpec())
+    with pytest.raises(TypeError, match=r"has_aux=True: loss_fn returns \(loss, aux\), a pair; got"):
+        jax.jit(fn)(_STEP_PARAMS, _STEP_BATCH)
