@@ -242,3 +242,23 @@ def test_tensor_parallel_example_trains_like_optax_on_one_device():
     bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=3e-3, params=params, max_norm=1.0,
                                   weight_decay=0.1)
     assert_within(jax.device_get(example.state.params), want, bounds[-1], what="params after training")
+
+
+def test_several_hosts_example_trains_saves_and_resumes_on_another_host_count(tmp_path):
+    """examples/several_hosts.py as 2 local "hosts" of 4 CPU devices (a torchrun-like launch),
+    then 1, then 2 again, one checkpoint directory: each run resumes the last one's step, with
+    every weight split over the host's 4 devices."""
+    import re
+    import subprocess
+
+    runs = []
+    for hosts in (2, 1, 2):
+        done = subprocess.run([sys.executable, str(EXAMPLES / "several_hosts.py"), "--local", str(hosts),
+                               "--ckpt", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = re.search(r"(\d) hosts x 4 devices: step (\d+), loss ([\d.]+), .* held as \(32, 32\) blocks of "
+                          r"\(32, 128\)", done.stdout)
+        assert found, done.stdout[-2000:]
+        runs.append((int(found[1]), int(found[2]), float(found[3])))
+    assert [(h, s) for h, s, _ in runs] == [(2, 5), (1, 10), (2, 15)]
+    assert runs[0][2] > runs[1][2] > runs[2][2]
