@@ -173,6 +173,15 @@ def _step(mesh=None, **config):
                               example_batch=_batch(0))
 
 
+def _trained(batches, **config):
+    """``_step(**config)`` and its state after a step on each of ``batches``."""
+    step = _step(**config)
+    state = step.init()
+    for batch in batches:
+        state, _ = step(state, batch)
+    return step, state
+
+
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
@@ -198,10 +207,7 @@ def test_train_step_with_feedback_tracks_fp32_accum_closer_than_without():
     batches = [_batch(10 + i) for i in range(30)]
 
     def final(**config):
-        step = _step(**config)
-        state = step.init()
-        for batch in batches:
-            state, _ = step(state, batch)
+        _, state = _trained(batches, **config)
         return {k: np.asarray(v, np.float64) for k, v in state.params.items()}
 
     exact = final(reduce="fp32_accum", error_feedback=False)
@@ -217,10 +223,7 @@ def test_shard_params_feeds_back_what_zero1_does():
     batches = [_batch(20 + i) for i in range(6)]
 
     def run(**config):
-        step = _step(**config)
-        state = step.init()
-        for batch in batches:
-            state, _ = step(state, batch)
+        step, state = _trained(batches, **config)
         residuals = None if state.error_feedback is None else _leaves(state.error_feedback)
         return step.master_params(state), residuals
 
