@@ -213,6 +213,45 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
             out[f"ckpt/{kind}/master{k}"] = fetch(m)
         for name, value in step.master_params(state).items():  # whole on every process
             out[f"ckpt/{kind}/master_params/{name}"] = value
+        if shard_params:
+            out.update(_moved_and_damaged(directory, host, mesh, batches[0]))
+    return out
+
+
+def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batch: np.ndarray) -> dict[str, np.ndarray]:
+    """In the run that saved them: the ZeRO-3 checkpoint restored into a ZeRO-1 step with
+    another bucket size (re-laid through per-parameter arrays), its master weights; then a byte
+    of ZeRO-1's newest step flipped by process 0 (in a replicated parameter, which every process
+    reads: a file only some processes read and fail to decode leaves orbax's own restore waiting
+    for the others), and a restore falling back to the step before on every process.
+    ``ckpt/moved/*`` and ``ckpt/fallback_*`` results."""
+    import warnings
+
+    import jax
+    import optax
+    from jax.experimental import multihost_utils
+
+    import jax_drain as jd
+
+    step = jd.make_train_step(host, _mlp_loss, optax.adam(1e-2), mesh, jd.TrainConfig(bucket_size=512),
+                              example_batch=batch)
+    state, _ = jd.restore_checkpoint(Path(directory) / "zero3", step.abstract_state())
+    out = {f"ckpt/moved/master_params/{k}": v for k, v in step.master_params(state).items()}
+    newest = Path(directory) / "zero1" / "3" / "state"
+    if jax.process_index() == 0:
+        files = [p for p in newest.glob("params.*/*") if p.is_file() and p.name[0].isdigit()]
+        damaged = max(files, key=lambda p: p.stat().st_size)
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        damaged.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices("jax_drain damaged")
+    zero1 = jd.make_train_step(host, _mlp_loss, optax.adam(1e-2), mesh, jd.TrainConfig(bucket_size=1024),
+                               example_batch=batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored, _ = jd.restore_checkpoint(Path(directory) / "zero1", zero1.abstract_state())
+    out["ckpt/fallback_step"] = np.array(int(restored.step))
+    out["ckpt/fallback_warning"] = np.array(" ".join(str(w.message) for w in caught))
     return out
 
 
