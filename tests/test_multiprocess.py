@@ -91,6 +91,30 @@ def _restore_in_one_process(checkpoints, saved, cpu_devices):
     with pytest.warns(UserWarning, match="Trying the previous step"):
         state, extra = jd.restore_checkpoint(checkpoints / "zero1", step.abstract_state())
     assert int(state.step) == 2 and extra == {"kind": "zero1"}
+    state, _ = step(state, np.ones((32, worker.D), np.float32))  # and the run goes on, saving step 3 again
+    jd.save_checkpoint(checkpoints / "zero1", state)
+    assert jd.latest_step(checkpoints / "zero1") == 3
+
+
+def test_a_process_dying_during_a_save_leaves_the_previous_step_restorable(tmp_path, cpu_devices):
+    """The last of two processes exits while the async save of step 3 is under way: the run
+    stops, step 3 is never finished, and step 2 restores (here, in one process)."""
+    import optax
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    checkpoints = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match=r"(?s)process 1 of 2 exited with status 3.*exiting during the save"):
+        worker.launch_local(2, 4, tmp_path, timeout=TIMEOUT_S, checkpoint=checkpoints, die_while_saving=True)
+    assert jd.latest_step(checkpoints / "zero1") == 2
+    assert [p.name for p in (checkpoints / "zero1").glob("3.orbax-checkpoint-tmp*")]  # begun, never finished
+    host = {"w1": np.zeros((worker.D, worker.H), np.float32), "b1": np.zeros((worker.H,), np.float32),
+            "w2": np.zeros((worker.H, worker.D), np.float32)}
+    step = jd.make_train_step(host, worker._mlp_loss, optax.adam(1e-2), Mesh(np.array(cpu_devices), ("data",)),
+                              jd.TrainConfig(bucket_size=1024), example_batch=np.zeros((32, worker.D), np.float32))
+    state, extra = jd.restore_checkpoint(checkpoints / "zero1", step.abstract_state())
+    assert int(state.step) == 2 and extra == {"kind": "zero1"}
 
 
 def test_multiprocess_launcher_fails_fast_when_a_process_dies_or_hangs(tmp_path):

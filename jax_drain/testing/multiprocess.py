@@ -169,13 +169,16 @@ def run(devices: Sequence[Any], steps: int = 3, seed: int = 0) -> dict[str, np.n
     return out
 
 
-def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: int = 1) -> dict[str, np.ndarray]:
+def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: int = 1,
+                   die_while_saving: bool = False) -> dict[str, np.ndarray]:
     """Checkpoints of train states whose arrays span processes, on a plain data-parallel mesh
     over ``devices``: ZeRO-1 (parameters replicated, master shards over data) and ZeRO-3
     (parameters sharded too). Each trains 2 steps, saves step 2 (and ZeRO-1 an async step 3),
     restores the newest step into a fresh abstract state and checks every shard this process
     holds against the state it saved. Returns ``ckpt/*`` results: the master weights (whole)
-    and ``ckpt/<kind>/restored_equal`` (1 where every held shard came back bit for bit)."""
+    and ``ckpt/<kind>/restored_equal`` (1 where every held shard came back bit for bit).
+    ``die_while_saving``: the last process exits (status 3) as soon as the async save of
+    ZeRO-1's step 3 has started, leaving step 2 the newest finished one."""
     import jax
     import optax
     from jax.sharding import Mesh
@@ -200,7 +203,11 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
         jd.save_checkpoint(where, state, extra={"kind": kind})
         if not shard_params:
             state, _ = step(state, batches[2])
-            jd.save_checkpoint_async(where, state, extra={"kind": kind}).wait()
+            pending = jd.save_checkpoint_async(where, state, extra={"kind": kind})
+            if die_while_saving and jax.process_index() == jax.process_count() - 1:
+                print(f"process {jax.process_index()}: exiting during the save (--die-while-saving)", file=sys.stderr)
+                os._exit(3)
+            pending.wait()
         restored, extra = jd.restore_checkpoint(where, step.abstract_state())
         same = extra == {"kind": kind} and int(restored.step) == int(state.step)
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
@@ -321,6 +328,7 @@ def launch_local(
     timeout: float = LAUNCH_TIMEOUT_S,
     crash: Sequence[int] = (),
     checkpoint: str | os.PathLike | None = None,
+    die_while_saving: bool = False,
 ) -> list[str]:
     """Runs ``num_processes`` CPU workers on localhost (gloo collectives) and waits for them.
 
@@ -328,7 +336,8 @@ def launch_local(
     after killing the rest -- as soon as one exits with an error (a surviving process would
     wait for it in a collective forever), or when ``timeout`` seconds pass; the message holds
     the failing process's stderr tail. ``crash``: process ids told to exit at start (to test
-    exactly that). ``checkpoint``: a directory for :func:`run_checkpoint` (``--checkpoint``).
+    exactly that). ``checkpoint``: a directory for :func:`run_checkpoint` (``--checkpoint``;
+    ``die_while_saving``: its last process exits during an async save).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -344,7 +353,7 @@ def launch_local(
         if i in crash:
             cmd.append("--crash")
         if checkpoint is not None:
-            cmd += ["--checkpoint", str(checkpoint)]
+            cmd += ["--checkpoint", str(checkpoint)] + (["--die-while-saving"] if die_while_saving else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=log_out, stderr=log_err, cwd=root))
 
     def tail(i: int) -> str:
@@ -451,6 +460,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also save and restore train states spanning the processes into DIR (run_checkpoint)")
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--crash-after-join", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--die-while-saving", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -521,7 +531,7 @@ def _run_and_save(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     results = run(jax.devices(), steps=args.steps)
     if args.checkpoint:
-        results.update(run_checkpoint(jax.devices(), args.checkpoint))
+        results.update(run_checkpoint(jax.devices(), args.checkpoint, die_while_saving=args.die_while_saving))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     np.savez(Path(args.out) / f"process{jax.process_index()}.npz", **results)
     print(f"process {jax.process_index()}/{jax.process_count()}: {len(jax.devices())} devices, "
