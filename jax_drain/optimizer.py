@@ -74,7 +74,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync
+from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
 from jax_drain.mesh import broadcast_prefix
@@ -576,7 +576,7 @@ class DistributedOptimizer:
             raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.sync = sync
-        if gather_max_in_flight == "sync":
+        if isinstance(gather_max_in_flight, str) and gather_max_in_flight == "sync":
             gather_max_in_flight = sync.max_in_flight or 1
         elif isinstance(gather_max_in_flight, str):
             raise ValueError(f"gather_max_in_flight must be 'sync', an int >= 1 or None, got {gather_max_in_flight!r}")
@@ -585,7 +585,7 @@ class DistributedOptimizer:
         self.fingerprint = self.layout.fingerprint
         self._refs = sync.flat_chains
         self._view = FlatView(self.fingerprint, self._refs, sync.abstract_params, tuple(sync.mesh.axis_names))
-        if check_tx:
+        if check_flag(check_tx, "check_tx"):
             check_transform(tx, sync.abstract_params)
 
     def __repr__(self) -> str:

@@ -231,7 +231,9 @@ class TrainConfig:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float, np.integer, np.floating))
                                   or not limit > 0):
             raise ValueError(f"skip_grad_norm_above must be a positive number or None, got {limit!r}")
-        if self.scan_layers not in (True, False, None):
+        if isinstance(self.scan_layers, np.bool_):
+            object.__setattr__(self, "scan_layers", bool(self.scan_layers))
+        if not any(self.scan_layers is v for v in (True, False, None)):
             raise ValueError(f"scan_layers must be True, False or None (auto), got {self.scan_layers!r}")
         check_microbatches(self.microbatches)
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
@@ -1061,6 +1063,9 @@ def make_train_step(
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a jax_drain.TrainConfig, got {type(config).__name__}"
                         + (": use jd.TrainConfig(**config)" if isinstance(config, Mapping) else ""))
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function of (model or params, batch) returning the loss, got "
+                        f"{type(loss_fn).__name__} {loss_fn!r:.40}")
     check_mesh(mesh)
     if not isinstance(mesh, Mesh):
         raise TypeError("make_train_step runs on devices: mesh must be a jax.sharding.Mesh, got an AbstractMesh (no "

@@ -527,3 +527,18 @@ def test_step_misuse_of_its_results_is_named(tmp_path):
                        in_specs=(jax.sharding.PartitionSpec(), sync.batch_spec), out_specs=jax.sharding.PartitionSpec())
     with pytest.raises(TypeError, match=r"has_aux=True: loss_fn returns \(loss, aux\), a pair; got"):
         jax.jit(fn)(_STEP_PARAMS, _STEP_BATCH)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: jd.make_train_step(_STEP_PARAMS, None, optax.sgd(0.1), data_mesh(8)), TypeError,
+     "loss_fn must be a function of"),
+    (lambda: jd.TrainConfig(scan_layers=np.ones(3)), ValueError, "scan_layers must be True, False or None"),
+    (lambda: jd.DistributedOptimizer(optax.sgd(0.1), jd.GradSync(_STEP_PARAMS, data_mesh(8)),
+                                     gather_max_in_flight=np.ones(3)), ValueError, "max_in_flight must be an int"),
+    (lambda: jd.DistributedOptimizer(optax.sgd(0.1), jd.GradSync(_STEP_PARAMS, data_mesh(8)), check_tx=np.ones(3)),
+     TypeError, "check_tx must be True or False"),
+], ids=["loss_fn", "scan_layers", "gather_max_in_flight", "check_tx"])
+def test_arguments_that_are_arrays_or_not_callable_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+    assert jd.TrainConfig(scan_layers=np.True_).scan_layers is True  # numpy booleans are booleans
