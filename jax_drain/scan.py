@@ -229,7 +229,8 @@ class ScanGradSync(ChainedSync):
         order = None if order is None else check_order(order, len(self.placements))
         chain = lambda name, scope, leaves, layers: build_chain(
             name, scope, mesh, self.placements, leaves, self.axes, self.outer_axes,
-            bucket_size=bucket_size, order=order, num_layers=layers, split_leaves=check_flag(split_leaves, "split_leaves"),
+            bucket_size=bucket_size, order=order, num_layers=layers,
+            split_leaves=check_flag(split_leaves, "split_leaves"),
             wire_dtype=wire_dtype, data_major=gspmd)
         #: The bucket chains, dispatch order: one layer's buckets (reduced inside the backward
         #: scan, shards ``[num_layers, size]``), then the other leaves' (after the loop).
