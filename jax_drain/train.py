@@ -109,7 +109,7 @@ from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import WeightedLoss, split_output
 from jax_drain.mesh import (
     AxisSpec, ExpertSpec, as_axes, auto_mesh, axes_size, check_array_leaves, check_mesh, check_mesh_axes,
-    check_tensor_parallel, leaf_specs,
+    check_tensor_parallel, leaf_specs, place_leaves,
 )
 from jax_drain.optimizer import DistributedOptimizer, DistState, check_transform, layout_mismatch
 from jax_drain.order import grad_ready_order
@@ -412,6 +412,10 @@ class TrainStep:
         _check_floating(self._model_params)
         self._abstract_params = _working(self._model_params, config.param_dtype)
         check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
+        if config.param_specs is not None:  # before any array is placed by them: the rules, by parameter
+            place_leaves(self._abstract_params, mesh, as_axes(config.axis, "axis"),
+                         as_axes(config.outer_axis, "outer_axis", allow_empty=True), config.param_specs,
+                         config.expert, None if config.expert_axis is None else as_axes(config.expert_axis, "expert_axis"))
         self.data_size = axes_size(mesh, config.data_axes)
         self._batch_spec = P(config.data_axes[0] if len(config.data_axes) == 1 else config.data_axes)
         self._param_specs = jax.tree.unflatten(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_drain as jd
 from conftest import data_mesh
@@ -542,3 +543,13 @@ def test_arguments_that_are_arrays_or_not_callable_are_named(call, error, messag
     with pytest.raises(error, match=message):
         call()
     assert jd.TrainConfig(scan_layers=np.True_).scan_layers is True  # numpy booleans are booleans
+
+
+@pytest.mark.parametrize("specs, message", [
+    ({"a": P(None, "model"), "b": None}, r"mesh has no axis 'model' \(in the PartitionSpec of param 'a'\)"),
+    ({"a": P("data"), "b": None}, r"param 'a' is sharded along \['data'\]"),
+], ids=["missing_axis", "data_axis"])
+def test_explicit_param_specs_are_checked_by_parameter_before_placing(specs, message):
+    with pytest.raises(ValueError, match=message):
+        jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8),
+                           jd.TrainConfig(param_specs=specs), example_batch=_STEP_BATCH)
