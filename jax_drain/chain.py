@@ -311,6 +311,13 @@ class BucketChain:
 
         return _with_residuals(reduce_one, sources, residuals, max_in_flight)
 
+    def as_leaf(self, value: jax.Array, placement: Any) -> jax.Array:
+        """``value``, a gathered piece of ``placement``'s leaf, invariant along the chain's spec
+        axes the leaf is replicated along: equal on every rank there, a ``pmax`` (exact) lets it
+        leave a region manual over them as that leaf."""
+        replicated = tuple(a for a in self.spec_axes if a not in placement.spec_axes)
+        return jax.lax.pmax(value, replicated) if replicated else value
+
     def gather(self, k: int, shard: jax.Array) -> jax.Array:
         """Whole bucket ``k`` in its parameters' dtype from every device's float32 shard."""
         dtype = self.layout.buckets[k].dtype
@@ -743,10 +750,8 @@ class ChainedSync:
         gathered = sequenced_map(gather, [master[i] for i in forward], max_in_flight)
         params = self.unflatten_buckets(tuple(reversed(gathered)))
         leaves = jax.tree.leaves(params)
-        for i, (pl, (chain, _)) in enumerate(zip(self.placements, leaf_chain(self.chains, len(leaves)))):
-            replicated = tuple(a for a in chain.spec_axes if a not in pl.spec_axes)
-            if replicated:
-                leaves[i] = jax.lax.pmax(leaves[i], replicated)
+        leaves = [chain.as_leaf(leaf, pl) for leaf, pl, (chain, _) in
+                  zip(leaves, self.placements, leaf_chain(self.chains, len(leaves)))]
         return jax.tree.unflatten(self._treedef, leaves)
 
 

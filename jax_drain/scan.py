@@ -508,13 +508,10 @@ class ScanGradSync(ChainedSync):
         leave it as the model-sharded global leaves the loss reads."""
         others = self._others
         placements = [self.placements[i] for i in others.leaves]
-        # A leaf replicated along some model axes is equal on every rank there: a pmax of equal
-        # values (exact) makes it invariant along them, to leave the region as that leaf.
-        replicated = [tuple(a for a in others.spec_axes if a not in pl.spec_axes) for pl in placements]
 
         def gather(shards):
             leaves = others.unflatten(sequenced_map(lambda k, shard: others.gather(k, shard), shards, 1))
-            return tuple(jax.lax.pmax(x, axes) if axes else x for x, axes in zip(leaves, replicated))
+            return tuple(others.as_leaf(x, pl) for x, pl in zip(leaves, placements))
 
         in_specs = ((others.shard_spec,) * others.num_buckets,)
         return self.on_local_blocks(gather, in_specs, tuple(pl.spec for pl in placements))(tuple(rest))

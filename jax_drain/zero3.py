@@ -301,20 +301,17 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     row = (lambda spec: P(*tuple(spec)[1:])) if in_loop else (lambda spec: spec)
     piece_specs = tuple(row(pl.spec) for pl in placements)
     shard_spec = row(chain.shard_spec)
-    # A leaf replicated along some of the chain's model axes is equal on every rank there; its
-    # piece is made invariant along them (a pmax of equal values: exact) to leave as that leaf.
-    replicated = [tuple(a for a in chain.spec_axes if a not in pl.spec_axes) for pl in placements]
 
     def gather_pieces(shard):
         with jax.named_scope(scope):
             whole = (all_gather_bucket(shard, chain.reduce_axis, dtype=bucket.dtype) if in_loop
                      else chain.gather(k, shard))
         out = []
-        for p, axes in zip(bucket.pieces, replicated):
+        for p, pl in zip(bucket.pieces, placements):
             piece = _compat.mark_varying(whole[p.offset:p.offset + p.size], local_axes)
             slot = chain.layout.slots[p.leaf]
             piece = piece.reshape(slot.shape) if p.size == slot.size else piece
-            out.append(jax.lax.pmax(piece, axes) if axes else piece)
+            out.append(chain.as_leaf(piece, pl))
         return tuple(out)
 
     def lay_back(pieces):
