@@ -12,9 +12,13 @@ writing tensor parallelism:
   the buckets on local blocks in a nested region manual over ``"model"``.
 
 Strategies: ``no_comm`` (each bucket summed over its own chunks on the device, drained: the
-sync's work minus the wire, the floor), ``fp32_accum`` undrained and ``fp32_accum+drain``. The
-verdict per row is its temp memory above the floor, in buckets. XLA's parallel collective
-overlap limit is 4, so that only the drain bounds the buckets in flight.
+sync's work minus the wire, the floor), ``fp32_accum`` undrained, ``fp32_accum+drain`` and
+``fp32_accum_streamed+drain`` (the same wire bytes as ``axis_size - 1`` point-to-point steps,
+so the landing buffer is a chunk, not a bucket). Each row's verdict is its temp memory above
+the floor, in buckets: the largest bucket the sync really forms (whole leaves, so larger than
+``--bucket-size`` asks), in float32 bytes, the dtype its shard accumulates in. Every setting is
+compiled twice: with XLA's default of one asynchronous collective in flight, and with its
+parallel collective overlap limit at 4, so that only the drain bounds the buckets in flight.
 
     python benchmarks/seed_tp.py --out benchmarks/results     # seed_tp.{md,json}, about 2 min
 """
@@ -36,14 +40,20 @@ from jax_drain.planner.targets import gpu_mesh  # noqa: E402
 
 LAYERS, D_MODEL, BUCKETS, TOKENS = 60, 4096, 7, 4096
 TOPOLOGY = "1x8x8"
-STRATEGIES = (("no_comm", True), ("fp32_accum", False), ("fp32_accum", True))
-OVERLAP = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
+STRATEGIES = (("no_comm", True), ("fp32_accum", False), ("fp32_accum", True), ("fp32_accum_streamed", True))
+OVERLAP_LIMITS = (1, 4)  # XLA's default, and room for 4 collectives in flight
+
+
+def overlap_options(limit: int) -> dict[str, Any] | None:
+    """XLA compile options for at most ``limit`` asynchronous collectives in flight."""
+    return None if limit == 1 else {"xla_gpu_experimental_parallel_collective_overlap_limit": limit}
 
 
 def run_one(tp: int, tensor_parallel: str, reduce: str, drain: bool, target: str,
-            bucket_size: int | None = None) -> dict[str, Any]:
-    """Compiles one (TP degree, tensor-parallel mode, strategy) and returns a JSON-ready row;
-    ``bucket_size`` (elements) defaults to the local parameters in :data:`BUCKETS` buckets."""
+            bucket_size: int | None = None, overlap: int = 1) -> dict[str, Any]:
+    """Compiles one (TP degree, tensor-parallel mode, strategy, overlap limit) and returns a
+    JSON-ready row; ``bucket_size`` (elements) defaults to the local parameters in
+    :data:`BUCKETS` buckets."""
     mesh = gpu_mesh((64 // tp, tp), ("data", "model"), target=target, topology=TOPOLOGY)
     local = LAYERS * 2 * D_MODEL * 4 * D_MODEL // tp
     bucket_size = bucket_size or -(-local // BUCKETS)
@@ -51,18 +61,20 @@ def run_one(tp: int, tensor_parallel: str, reduce: str, drain: bool, target: str
                                             bucket_size=bucket_size, tokens_per_device=TOKENS, outer_axis=None,
                                             tensor_parallel=tensor_parallel)
     strategy = reduce + ("+drain" if drain and reduce != "no_comm" else "")
-    report = plan.plan(step, *args, target=target, topology=TOPOLOGY, compiler_options=OVERLAP, strategy=strategy,
-                       num_buckets=sync.num_buckets, bucket_size=bucket_size)
-    return dict(tp=tp, tensor_parallel=tensor_parallel, strategy=strategy, buckets=sync.num_buckets,
-                bucket_bytes=4 * bucket_size, temp_bytes=report.temp_bytes, argument_bytes=report.argument_bytes,
-                buckets_in_flight=report.buckets_in_flight)
+    report = plan.plan(step, *args, target=target, topology=TOPOLOGY, compiler_options=overlap_options(overlap),
+                       strategy=strategy, num_buckets=sync.num_buckets, bucket_size=bucket_size)
+    return dict(tp=tp, tensor_parallel=tensor_parallel, strategy=strategy, overlap_limit=overlap,
+                buckets=sync.num_buckets, bucket_size=bucket_size, largest_bucket=max(sync.bucket_sizes),
+                bucket_bytes=4 * max(sync.bucket_sizes), temp_bytes=report.temp_bytes,
+                argument_bytes=report.argument_bytes, buckets_in_flight=report.buckets_in_flight)
 
 
 def with_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's temp above its (TP, mode)'s ``no_comm`` floor, in float32 buckets."""
+    """Each row's temp above its (TP, mode, overlap limit)'s ``no_comm`` floor, in float32
+    bytes of the largest bucket."""
+    key = lambda r: (r["tp"], r["tensor_parallel"], r["overlap_limit"])  # noqa: E731
     for r in rows:
-        floor = next(f for f in rows if f["tp"] == r["tp"] and f["tensor_parallel"] == r["tensor_parallel"]
-                     and f["strategy"] == "no_comm")
+        floor = next(f for f in rows if key(f) == key(r) and f["strategy"] == "no_comm")
         r["above_floor_buckets"] = (r["temp_bytes"] - floor["temp_bytes"]) / r["bucket_bytes"]
     return rows
 
@@ -70,10 +82,12 @@ def with_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], buckets: str) -> str:
     out = [f"### 8B MLP-block stack ({LAYERS} blocks, d_model {D_MODEL}), 64 compile-only H100s ({TOPOLOGY}), "
            f"{buckets}, {TOKENS} tokens per data-parallel device", "",
-           "| TP | tensor parallel | strategy | buckets | bucket (fp32) MiB | temp GiB | above the floor (buckets) "
-           "| buckets in flight |", "|---:|---|---|---:|---:|---:|---:|---:|"]
+           "Above the floor: temp memory above `no_comm`'s, in float32 bytes of the largest bucket. "
+           "Overlap: XLA's limit on asynchronous collectives in flight (1 is its default).", "",
+           "| TP | tensor parallel | overlap | strategy | buckets | largest bucket (fp32) MiB | temp GiB "
+           "| above the floor (buckets) | buckets in flight |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['tp']} | {r['tensor_parallel']} | {r['strategy']} | {r['buckets']} | "
+        out.append(f"| {r['tp']} | {r['tensor_parallel']} | {r['overlap_limit']} | {r['strategy']} | {r['buckets']} | "
                    f"{r['bucket_bytes'] / 2**20:,.0f} | {r['temp_bytes'] / 2**30:.2f} | "
                    f"{r['above_floor_buckets']:+.2f} | {r['buckets_in_flight']} |")
     return "\n".join(out) + "\n"
@@ -93,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tp in (int(t) for t in args.tp.split(",")):
         for mode in args.modes.split(","):
-            for reduce, drain in STRATEGIES:
-                start = time.perf_counter()
-                rows.append(run_one(tp, mode, reduce, drain, args.target, args.bucket_size))
-                print(f"  TP={tp} {mode} {rows[-1]['strategy']}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            for overlap in OVERLAP_LIMITS:
+                for reduce, drain in STRATEGIES:
+                    start = time.perf_counter()
+                    rows.append(run_one(tp, mode, reduce, drain, args.target, args.bucket_size, overlap))
+                    print(f"  TP={tp} {mode} overlap {overlap} {rows[-1]['strategy']}: "
+                          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     text = markdown(with_verdicts(rows), f"{args.bucket_size:,}-element buckets" if args.bucket_size
                     else f"the local parameters in {BUCKETS} buckets")
     print(text)

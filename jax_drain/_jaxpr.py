@@ -78,8 +78,8 @@ def collective_dependencies(
     ``label(eqn)`` names a collective equation's group, by default its bucket scope
     (``jax_drain/bucket3``, ``jax_drain/layers/bucket0``...); ``None`` leaves it out. Data flow
     is followed exactly through inline calls; a loop or branch is one operation whose every
-    output depends on every input (its body is also read, on its own, for the collectives inside
-    it). Pass ``jax.make_jaxpr(step)(...).jaxpr``.
+    output depends on every input and on the collectives its body's outputs consume (the body is
+    also read, on its own, for the collectives inside it). Pass ``jax.make_jaxpr(step)(...).jaxpr``.
     """
     deps: dict[str, set[str]] = {}
     _walk(jaxpr, [frozenset()] * len(jaxpr.invars), deps, label)
@@ -97,7 +97,8 @@ def _walk(jaxpr: Any, inputs: list[frozenset], deps: dict[str, set[str]], label:
         else:
             union = frozenset().union(*ins)
             for sub in sub_jaxprs(eqn):  # loop bodies and branches: their own chains
-                _walk(sub, [frozenset()] * len(sub.invars), deps, label)
+                # ... whose collectives' results reach the loop's outputs.
+                union = union.union(*_walk(sub, [frozenset()] * len(sub.invars), deps, label))
             scope = label(eqn) if eqn.primitive.name in COLLECTIVES else None
             if scope is not None:
                 deps.setdefault(scope, set()).update(union)

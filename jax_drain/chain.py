@@ -244,6 +244,8 @@ class BucketChain:
         whole-bucket shaped) the device sends ``bucket + residual`` and returns ``(shard,
         new_residual)``, the new residual being what the wire rounded off this time (in
         ``residual``'s dtype), so the compression error does not accumulate over steps."""
+        # One model rank's bucket even where its leaves are all replicated along the model axes.
+        bucket = _compat.mark_varying(bucket, self.spec_axes)
         if residual is not None:
             compensated = bucket.astype(jnp.float32) + residual.astype(jnp.float32)
             bucket = compensated.astype(self.wire_dtype or bucket.dtype)
@@ -494,6 +496,13 @@ class ChainedSync:
         global shapes along them. Empty with ``tensor_parallel="manual"``."""
         manual = set(self.manual_axes)
         return tuple(a for a in self.mesh.axis_names if a not in manual)
+
+    def region_axes(self, axes: Sequence[str]) -> tuple[str, ...]:
+        """Those of ``axes`` that the step's ``shard_map`` makes manual: what a value there can be
+        typed as varying along (with ``"manual"`` a model-sharded block varies along its model
+        axes too; with ``"gspmd"`` they are XLA's)."""
+        manual = set(self.manual_axes)
+        return tuple(a for a in axes if a in manual)
 
     def shard_map(self, f: Callable, *, in_specs: Any, out_specs: Any) -> Callable:
         """``jax.shard_map`` of ``f`` over the sync's mesh, for the step that calls the sync's
@@ -893,8 +902,8 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
     args, kwargs = jax.tree.map(lambda x: split_microbatches(x, k), (args, kwargs))
     # The carry has the loop outputs' type: the loss varies along every data axis, a shard along
     # its chain's axes (the outer all-reduce makes it equal along the outer axes).
-    zeros = [_compat.mark_varying(jnp.zeros(sync.region_shard_shape(chain, b), jnp.float32), chain.axes)
-             for chain, b in sync.flat_chains]
+    zeros = [_compat.mark_varying(jnp.zeros(sync.region_shard_shape(chain, b), jnp.float32),
+                                  sync.region_axes(chain.axes + chain.spec_axes)) for chain, b in sync.flat_chains]
     scalar = lambda: _compat.mark_varying(jnp.zeros((), jnp.float32), sync.data_axes)
     weighted: list[bool] = []  # filled while the loop body is traced
 

@@ -16,9 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
+import jax.numpy as jnp
+
+from jax_drain import _compat
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -64,3 +67,25 @@ def sequenced_map(
             _, x = jax.lax.optimization_barrier((outputs[k - depth], x))
         outputs.append(fn(k, x))
     return tuple(outputs)
+
+
+def fence(after: Any, x: X) -> X:
+    """``x``, fenced behind every array of ``after``: what reads the result waits for ``after``.
+
+    ``jax.lax.optimization_barrier`` types all its outputs as varying along every manual axis
+    any operand varies along. Where ``after`` varies along axes some leaves of ``x`` do not (a
+    model-sharded shard fencing a model-replicated gradient), those leaves wait instead for a
+    one-element token of ``after`` made equal along those axes (a scalar ``pmax``), so each
+    leaf keeps its type. Values pass through unchanged.
+    """
+    leaves, treedef = jax.tree.flatten(x)
+    deps = jax.tree.leaves(after)
+    dep_axes = frozenset().union(*(_compat.varying_axes(d) for d in deps))
+    if all(dep_axes <= _compat.varying_axes(leaf) for leaf in leaves):
+        return jax.lax.optimization_barrier((after, x))[1]
+    token = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in deps)
+    out = []
+    for leaf in leaves:
+        extra = tuple(a for a in _compat.varying_axes(token) if a not in _compat.varying_axes(leaf))
+        out.append(jax.lax.optimization_barrier((jax.lax.pmax(token, extra) if extra else token, leaf))[1])
+    return jax.tree.unflatten(treedef, out)

@@ -63,6 +63,8 @@ along the model axes: it enters the sync's nested region manual over them
 chain reduce-scatters them over the data axis, so no model-sharded gradient or weight is
 gathered. The shards are laid out data axes first (:attr:`BucketChain.data_major
 <jax_drain.BucketChain>`), as :class:`~jax_drain.GradSync` lays them out with ``"gspmd"``.
+Hand-written tensor parallel (``"manual"``, the loss on local blocks with its own ``psum``) needs
+no nested region: a layer's gradient is already this model rank's blocks.
 
 Limits (each refused with an error naming the leaf): one scan over one
 stack per loss (not an encoder and a decoder stack); the stacked leaves must enter that scan
@@ -73,7 +75,7 @@ be lost. The scan may sit inside ``jit``-ed functions. The rewrite reads the tra
 wrapper that hands the stacked leaves to ``jax.lax.scan`` as ``xs`` is seen the same way (tested:
 ``nnx.scan`` and plain ``jax.lax.scan``). A stacked leaf's layer dimension must not be split
 over a mesh axis. ZeRO-3 (:mod:`jax_drain.zero3`) gathers each layer's buckets from their rows
-in the scan body, with ``"gspmd"`` too (over the data axes, on local blocks).
+in the scan body, on a tensor-parallel mesh too (over the data axes, on local blocks).
 
 Optimizer: :class:`~jax_drain.DistributedOptimizer` takes a ScanGradSync as its ``sync``
 (fp32 master shards in this layout, ``jax_drain.masked`` / ``jax_drain.clip_by_global_norm``
@@ -99,7 +101,7 @@ from jax_drain.chain import (
     check_state_replicated,
 )
 from jax_drain.collectives import check_mode, check_wire_dtype
-from jax_drain.drain import drain_depth, sequenced_map
+from jax_drain.drain import drain_depth, fence, sequenced_map
 from jax_drain.feedback import check_error_feedback
 from jax_drain import zero3
 from jax_drain.layout import BucketLayout, check_order
@@ -154,12 +156,13 @@ class ScanGradSync(ChainedSync):
             order within a layer) and to the others. ``None``: reverse leaf order.
         outer_axis: hierarchical reduction as for :class:`~jax_drain.GradSync`: each shard,
             per layer inside the loop too, is all-reduced over these axes in float32.
-        param_specs, tensor_parallel: tensor parallel by XLA, as for :class:`~jax_drain.GradSync`
-            (only ``tensor_parallel="gspmd"`` takes ``param_specs`` here): the loss runs on global
-            shapes along the model axes, and each layer's gradient, in its backward iteration,
-            enters the nested region manual over them as its local blocks, where the layer's
-            chain reduce-scatters it over the data axis. A stacked leaf's spec leaves its layer
-            (leading) dimension unsplit, e.g. ``P(None, None, "model")``.
+        param_specs, tensor_parallel: tensor parallel, as for :class:`~jax_drain.GradSync`. With
+            ``"gspmd"`` the loss runs on global shapes along the model axes, and each layer's
+            gradient, in its backward iteration, enters the nested region manual over them as
+            its local blocks, where the layer's chain reduce-scatters it over the data axis;
+            with ``"manual"`` the loss runs on local blocks with its own model-axis collectives
+            and the layer's buckets hold this model rank's blocks. A stacked leaf's spec leaves
+            its layer (leading) dimension unsplit, e.g. ``P(None, None, "model")``.
 
     Example::
 
@@ -191,9 +194,6 @@ class ScanGradSync(ChainedSync):
         check_mesh(mesh)
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
         gspmd = self.tensor_parallel == "gspmd"
-        if param_specs is not None and not gspmd:
-            raise ValueError("ScanGradSync takes param_specs only with tensor_parallel='gspmd' (a loss on global "
-                             "shapes); hand-written (manual) tensor parallel is not supported with a scanned stack")
         if gspmd:
             mesh = auto_mesh(mesh)  # GSPMD partitions the loss over the Auto axes
         if not isinstance(axis, str):
@@ -355,7 +355,7 @@ class ScanGradSync(ChainedSync):
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad", data_region=bool(self.auto_axes))
-            self.check_tree(params, "params")
+            self.check_tree(params, "params", local=not self.auto_axes)  # gspmd's region: whole along the model
             local = jax.tree.leaves(self.local_params(params))
             residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
             state, args = (args[0], args[1:]) if has_state else (None, args)
@@ -444,7 +444,8 @@ class ScanGradSync(ChainedSync):
         tracked = {closed.jaxpr.invars[i]: j for j, i in enumerate(self._stacked)}
         # Shaped like the layer shards where the loss runs (with gspmd: every model rank's shard).
         dummies = tuple(
-            _compat.mark_varying(jnp.zeros(self.region_shard_shape(self._layers, k), jnp.float32), (self.axis,))
+            _compat.mark_varying(jnp.zeros(self.region_shard_shape(self._layers, k), jnp.float32),
+                                 self.region_axes((self.axis,) + self._layers.spec_axes))
             for k in range(self._layers.num_buckets)
         )
         layer_residuals = () if residuals is None else tuple(residuals.layers)
@@ -492,7 +493,7 @@ class ScanGradSync(ChainedSync):
         for i in self._stacked:  # traced only: the scan takes the rows instead
             pl = self.placements[i]
             local[i] = _compat.mark_varying(jnp.zeros(self.region_shape(pl.global_shape, pl.spec), pl.dtype),
-                                            pl.reduce_axes + self.outer_axes)
+                                            pl.reduce_axes + self.outer_axes + self.region_axes(pl.spec_axes))
         if self._others is not None:
             for i, leaf in zip(self._others.leaves, self._gather_rest(rest)):
                 local[i] = _compat.mark_varying(leaf, self.placements[i].reduce_axes + self.outer_axes)
@@ -552,7 +553,7 @@ class ScanGradSync(ChainedSync):
         if self.drain:
             # Start the non-stacked buckets only once the layer loop's shards exist, so no
             # collective stays in flight across the loop (the drain's one-at-a-time bound).
-            _, rest_grads = jax.lax.optimization_barrier((tuple(layer_shards), rest_grads))
+            rest_grads = fence(tuple(layer_shards), rest_grads)
         grad_specs = tuple(self.placements[i].spec for i in self._rest)
         shard_specs = (others.shard_spec,) * others.num_buckets
         if residuals is None:

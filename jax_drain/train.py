@@ -161,9 +161,9 @@ class TrainConfig:
             backward scan and the float32 shards are accumulated (see :mod:`jax_drain.scan`).
             ``None``: do so iff the loss scans over parameters. ``False``: whole leaves. With
             ``tensor_parallel="gspmd"`` each layer's buckets are reduced on their local blocks
-            in the nested region manual over the model axes; not with hand-written (``"manual"``)
-            tensor parallel, expert params, or ``shard_params`` with ``"gspmd"`` (``None`` then
-            keeps whole leaves).
+            in the nested region manual over the model axes; with hand-written (``"manual"``)
+            tensor parallel they hold each model rank's blocks. Not with expert params or several
+            data axes (``None`` then keeps whole leaves).
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
@@ -181,9 +181,9 @@ class TrainConfig:
             before its first use, at most ``gather_max_in_flight`` ahead (as the optimizer
             resolves it: ``"sync"`` is the drain depth; ``None`` leaves the gathers unfenced); a
             scanned stack gathers each layer inside the scan body. Over the data axes and
-            ``outer_axis``; with ``tensor_parallel="gspmd"`` each device holds its shard of its own
-            model blocks (1/(data x model) of the parameters), gathered over the data axes only.
-            Refused with hand-written (``"manual"``) tensor parallel or expert params.
+            ``outer_axis``; on a tensor-parallel mesh (``"gspmd"`` or ``"manual"``) each device
+            holds its shard of its own model blocks (1/(data x model) of the parameters),
+            gathered over the data axes only; expert params over ``expert_axis``.
             Gradients equal ZeRO-1's (with error feedback and micro-batches, each micro-batch is
             sent with the residual its predecessor left).
         reshard_after_forward: with ``shard_params``, gather each bucket again in backward inside
@@ -255,12 +255,6 @@ class TrainConfig:
             )
         if self.scan_layers is True:
             self.check_scannable()
-        if self.shard_params:
-            if (self.param_specs is not None and self.tensor_parallel != "gspmd") or self.expert is not None:
-                raise ValueError("shard_params=True shards parameters over the data axes (and, with "
-                                 "tensor_parallel='gspmd', each model rank's blocks); hand-written tensor-parallel "
-                                 "param_specs and expert params are not supported with it yet: use "
-                                 "tensor_parallel='gspmd' or shard_params=False")
         if self.tensor_parallel is not None:
             check_tensor_parallel(self.tensor_parallel)
         if self.tensor_parallel == "gspmd":
@@ -281,18 +275,14 @@ class TrainConfig:
                 "(a loss on local blocks with its own model-axis collectives), or turn it off"
             )
 
-    def check_scannable(self, tensor_parallel: str | None = None) -> None:
+    def check_scannable(self) -> None:
         """Raises unless a scanned stack can sync in its backward scan: ScanGradSync reduces over
-        one data axis (and ``outer_axis``), takes tensor-parallel shardings only with
-        ``tensor_parallel="gspmd"`` (``tensor_parallel``: the step's resolved mode, else the
-        config's), and no expert params."""
-        gspmd = (tensor_parallel or self.tensor_parallel) == "gspmd"
-        if (self.param_specs is not None and not gspmd) or self.expert is not None or not isinstance(self.axis, str):
+        one data axis (and ``outer_axis``) and takes no expert params."""
+        if self.expert is not None or not isinstance(self.axis, str):
             raise ValueError(
                 "scan_layers=True syncs with ScanGradSync, which reduces over one data axis (and "
-                "outer_axis) and supports neither hand-written (manual) tensor-parallel param_specs nor expert "
-                "params yet: use tensor_parallel='gspmd' (a loss on global shapes) for tensor parallel, or "
-                "scan_layers=None or False on such a mesh (whole-leaf buckets)"
+                "outer_axis) and does not support expert params yet: use scan_layers=None or False on such "
+                "a mesh (whole-leaf buckets)"
             )
 
     @property
@@ -735,7 +725,7 @@ class TrainStep:
         stacked = self._find_stacked(global_micro)
         if stacked is not None:
             sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked,
-                                             param_specs=self._specs if gspmd else None,
+                                             param_specs=self._specs,
                                              tensor_parallel=self.tensor_parallel, **options)
         else:
             sync = GradSync(self._abstract_params, mesh, param_specs=self._specs, expert=config.expert,
@@ -778,25 +768,23 @@ class TrainStep:
         wanted = self.config.scan_layers
         if wanted is False:
             return None
-        # Shardings (given or declared) need the loss on global shapes: "gspmd".
-        manual_tp = self.tensor_parallel != "gspmd" and shards_any(self._specs)
         if wanted is None:
             try:
-                self.config.check_scannable(self.tensor_parallel)
+                self.config.check_scannable()
             except ValueError:  # whole-leaf buckets: a scanned stack still syncs correctly
                 return None
-            if manual_tp:
-                return None
         else:
-            self.config.check_scannable(self.tensor_parallel)  # the mode is known only now
-            if manual_tp:
-                raise ValueError("scan_layers=True syncs with ScanGradSync, which supports tensor-parallel shardings "
-                                 "only with tensor_parallel='gspmd' (a loss on global shapes): use it, or "
-                                 "scan_layers=None or False")
+            self.config.check_scannable()  # the mode is known only now
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
-        mask = stacked_leaves(self._with_data_axes(self._scalar_loss(in_shard_map=False)), self._abstract_params,
-                              local_micro)
+        try:
+            mask = stacked_leaves(self._with_bound_axes(self._scalar_loss(in_shard_map=False)), self._loss_view(),
+                                  local_micro)
+        except Exception as e:  # noqa: BLE001 - any tracing failure
+            if wanted is None and self.tensor_parallel != "gspmd":
+                return None  # a hand-written loss whose collectives need their real axis sizes: whole leaves
+            raise ValueError(f"scan_layers=True: could not trace the loss to find its scanned parameters, with "
+                             f"the axes it runs manual over bound at size 1: {type(e).__name__}: {e}") from e
         if not any(jax.tree.leaves(mask)):
             if wanted is None:
                 return None
@@ -807,15 +795,30 @@ class TrainStep:
             )
         return mask
 
-    def _with_data_axes(self, loss: Callable[[PyTree, PyTree], jax.Array]) -> Callable[[PyTree, PyTree], jax.Array]:
-        """``loss`` traced with the data axes' names bound (size-1 ``vmap`` axes), so that the
-        model's collectives over them (``BatchNorm(axis_name="data")``) trace outside ``shard_map``."""
+    def _loss_view(self) -> PyTree:
+        """The abstract parameters as the loss sees them: whole, or with hand-written tensor
+        parallel each device's blocks."""
+        if self.tensor_parallel == "gspmd" or not shards_any(self._specs):
+            return self._abstract_params
+        config = self.config
+        placements = place_leaves(self._abstract_params, self.mesh, as_axes(config.axis, "axis"),
+                                  as_axes(config.outer_axis, "outer_axis", allow_empty=True), self._specs)
+        return jax.tree.unflatten(jax.tree.structure(self._abstract_params),
+                                  [jax.ShapeDtypeStruct(pl.local_shape, pl.dtype) for pl in placements])
+
+    def _with_bound_axes(self, loss: Callable[[PyTree, PyTree], jax.Array]) -> Callable[[PyTree, PyTree], jax.Array]:
+        """``loss`` traced outside ``shard_map`` with the names of the axes it runs manual over
+        bound (size-1 ``vmap`` axes), so that its collectives over them trace: the data axes
+        (``BatchNorm(axis_name="data")``) and, with hand-written tensor parallel, every mesh axis."""
+        axes = self.config.data_axes
+        if self.tensor_parallel != "gspmd":
+            axes = axes + tuple(a for a in self.mesh.axis_names if a not in axes)
 
         def bound(p: PyTree, b: PyTree) -> jax.Array:
             fn = lambda b: loss(p, b)
-            for name in reversed(self.config.data_axes):
+            for name in reversed(axes):
                 fn = jax.vmap(fn, axis_name=name)
-            ones = (1,) * len(self.config.data_axes)
+            ones = (1,) * len(axes)
             return fn(jax.tree.map(lambda x: jnp.reshape(x, ones + x.shape), b))
 
         return bound

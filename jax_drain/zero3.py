@@ -45,9 +45,11 @@ its backward run on local blocks in the sync's nested region manual over the mod
 (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`), so every device holds its shard of its
 own model blocks, a bucket is gathered over the data axes only, and the loss reads the pieces
 as model-sharded global arrays; no weight is gathered over a model axis. A scanned stack's
-layer buckets are gathered and reduced the same way inside the scan body. Hand-written
-(``"manual"``) tensor-parallel ``param_specs``, expert chains and, with ``"gspmd"``,
-tensor-parallel leaves split over buckets are refused.
+layer buckets are gathered and reduced the same way inside the scan body. With hand-written
+(``"manual"``) tensor parallel every mesh axis is manual already: the buckets hold each model
+rank's local blocks, and the gathered pieces are those blocks; an expert chain's buckets are
+sharded and gathered over its own axes (``expert_axis``). With ``"gspmd"``, tensor-parallel
+leaves split over buckets are refused.
 
 ``jd.TrainConfig(shard_params=True)`` builds the whole train step on this module: the state's
 parameters are a :class:`ParamShards`, the optimizer writes its updated shards instead of
@@ -95,17 +97,11 @@ PyTree = Any
 
 
 def check_shardable(sync: ChainedSync) -> None:
-    """Raises unless ``sync``'s parameters can be sharded like its gradients (ZeRO-3): over the
-    data axes, and with ``tensor_parallel="gspmd"`` each model rank's own blocks."""
-    gspmd = sync.tensor_parallel == "gspmd"
+    """Raises unless ``sync``'s parameters can be sharded like its gradients (ZeRO-3): over each
+    chain's data axes, each model rank's own blocks."""
+    if sync.tensor_parallel != "gspmd":
+        return
     for chain in sync.chains:
-        if chain.name == "expert" or (chain.spec_axes and not gspmd):
-            raise ValueError(
-                "shard_params=True shards parameters over the data axes (and, with tensor_parallel='gspmd', "
-                "each model rank's blocks); hand-written (manual) tensor-parallel param_specs and expert "
-                "parameters are not supported with it yet. Use tensor_parallel='gspmd' (a loss on global "
-                "shapes) or shard_params=False (ZeRO-1/2) on such a mesh"
-            )
         # A gathered piece leaves the nested region as its parameter's global array: a whole leaf.
         split = [chain.layout.slots[p.leaf].path for b in chain.layout.buckets for p in b.pieces
                  if p.size != chain.layout.slots[p.leaf].size and sync.placements[chain.leaves[p.leaf]].spec_axes]
@@ -220,11 +216,13 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     gradient, once, as it is reduce-scattered; ``None`` without."""
     depth, reshard = gather_max_in_flight, reshard_after_forward
     flat_args, args_tree = jax.tree.flatten((state, args, kwargs))
-    # Traced on values typed like the gathered leaves (varying along the data axes; the shapes
+    # Traced on values typed like the gathered leaves (varying along the data axes, and the model
+    # axes a hand-written tensor-parallel block is split along; the shapes
     # the loss sees: local blocks, or global along gspmd's automatic axes), so the replay binds
     # the same casts; the zeros themselves are dead code.
-    local = jax.tree.leaves(sync.local_params(jax.tree.unflatten(
-        sync.treedef, [jnp.zeros(sync.region_shape(pl.global_shape, pl.spec), pl.dtype) for pl in sync.placements])))
+    local = jax.tree.leaves(sync.local_params(jax.tree.unflatten(sync.treedef, [
+        _compat.mark_varying(jnp.zeros(sync.region_shape(pl.global_shape, pl.spec), pl.dtype),
+                             sync.region_axes(pl.spec_axes)) for pl in sync.placements])))
 
     def flat_loss(*flat):
         params = jax.tree.unflatten(sync.treedef, flat[:len(local)])
@@ -237,7 +235,8 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     # rules return each bucket's local gradient as its cotangent (XLA drops the zeros: nothing reads them).
     dummies = [_compat.mark_varying(jnp.zeros(sync.region_shape(chain.global_bucket_shape(k, sync.mesh),
                                                                 chain.bucket_spec), chain.layout.buckets[k].dtype),
-                                    chain.axes + chain.outer_axes) for chain, k in sync.flat_chains]
+                                    sync.region_axes(chain.axes + chain.outer_axes + chain.spec_axes))
+               for chain, k in sync.flat_chains]
 
     divisor = sync.data_size if sync.average else 1
 
@@ -318,7 +317,9 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
         parts = [p.reshape(-1).astype(bucket.dtype) for p in pieces]
         if bucket.padding:
             parts.append(jnp.zeros((bucket.padding,), bucket.dtype))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        # A bucket of model-replicated leaves is still one model rank's bucket.
+        return _compat.mark_varying(whole, sync.region_axes(local_axes + chain.spec_axes))
 
     def forward(shard, fence):
         if fence is not None:

@@ -147,6 +147,34 @@ def test_layer_chain_inside_the_backward_scan(depth, cpu_devices):
     assert_chained(deps, _bucket_labels(rest), depth)
 
 
+@pytest.mark.parametrize("depth", [1, None])
+def test_other_buckets_wait_for_the_layer_loop_on_a_hand_written_tensor_parallel_mesh(depth, cpu_devices):
+    """Drained, the non-stacked buckets start only once the layer loop's shards exist, also
+    where those shards vary along the model axis and the other gradients do not."""
+    tree = {"embed": SDS((13, 11), jnp.float32), "head": SDS((11, 5), jnp.float32),
+            "blocks": {"w": SDS((3, 11, 12), jnp.float32), "g": SDS((3, 11), jnp.float32)}}
+
+    def loss(p, x):
+        def layer(h, block):  # Megatron's MLP on local blocks: w column-parallel, w.T row-parallel
+            return h + jax.lax.psum(jnp.tanh((h * block["g"]) @ block["w"]) @ block["w"].T, "model"), None
+
+        h, _ = jax.lax.scan(layer, x @ p["embed"], p["blocks"])
+        return jnp.mean(h @ p["head"])
+
+    specs = {"embed": None, "head": None, "blocks": {"w": P(None, None, "model"), "g": None}}
+    sync = jd.ScanGradSync(tree, _mesh((4, 2), ("data", "model"), cpu_devices),
+                           stacked=lambda path: path.startswith("blocks/"), bucket_size=20, drain=depth is not None, max_in_flight=depth, param_specs=specs)
+    layers, rest = sync.chains
+    assert layers.spec_axes == ("model",) and rest.spec_axes == () and rest.num_buckets >= 2
+    batch = SDS((8, 13), jnp.float32)
+    fn = _compat.shard_map(lambda p, x: sync.value_and_grad(loss)(p, x), mesh=sync.mesh,
+                           in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), sync.shard_specs()))
+    deps = collective_dependencies(jax.make_jaxpr(fn)(tree, batch).jaxpr)
+    assert_chained(deps, _bucket_labels(rest), depth)
+    waits = deps[rest.bucket_scope(0)] & set(_bucket_labels(layers))
+    assert waits == (set(_bucket_labels(layers)) if depth else set()), waits
+
+
 @pytest.mark.parametrize("depth", [1, 2, None])
 def test_optimizer_gathers_in_forward_order(depth, cpu_devices):
     sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100)

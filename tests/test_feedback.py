@@ -328,11 +328,13 @@ def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
 # -- every mesh kind -----------------------------------------------------------------------------
 
 
-ZERO3_KINDS = ["gspmd", "gspmd_scanned", "scanned_outer"]
+ZERO3_KINDS = ["gspmd", "gspmd_scanned", "scanned_outer", "tensor_parallel", "replica_data_model", "expert_parallel",
+               "tensor_parallel_scanned"]
 
 
 @pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer",
-                                  "gspmd_scanned_outer"] + [f"zero3:{k}" for k in ZERO3_KINDS])
+                                  "gspmd_scanned_outer", "tensor_parallel_scanned"]
+                         + [f"zero3:{k}" for k in ZERO3_KINDS])
 def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     """int8 wire + error feedback on tensor-parallel, replica x data x model (micro-batches),
     expert-parallel and scanned (outer axis, micro-batches; and a GSPMD one synced in its

@@ -12,6 +12,7 @@ every model-sharded weight; on XLA's GPU compiler no weight is all-gathered over
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -589,25 +590,25 @@ def test_no_weight_is_gathered_over_the_model_axis_on_the_gpu_compiler():
 
 
 def test_shard_params_refuses_what_it_cannot_shard(cpu_devices):
-    """Hand-written tensor parallel (param_specs without gspmd) and a model-sharded leaf split over
-    buckets (it could not leave the nested region as its parameter) are refused, saying what to use."""
+    """A model-sharded leaf split over buckets (it could not leave the nested region as its
+    parameter) is refused, saying what to use."""
     mesh = _mesh("data_model", cpu_devices)
     params, (batch,) = _params(np.random.default_rng(0)), _batches(1, 1)
-    with pytest.raises(ValueError, match="hand-written tensor-parallel param_specs"):
-        jd.TrainConfig(param_specs=SPECS, shard_params=True)
     with pytest.raises(ValueError, match=r"\['blocks/0/w_in'.* split over buckets .* use split_leaves=False"):
         jd.make_train_step(_placed(params, mesh), gspmd_loss, _tx(), mesh,
                            jd.TrainConfig(bucket_size=60, shard_params=True, split_leaves=True), example_batch=batch)
 
 
 @pytest.mark.gpu_compile
-def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler():
-    """ZeRO-3 with gspmd on compile-only 8xH100 (data=4, model=2), remat blocks: every parameter
-    all-gather is over the data axis, of one model rank's local bucket, in forward and again in
-    each block's backward; over the model axis only all-reduces (activations, the replicated
-    leaves' pmax); each bucket's gradient is one bf16 all-to-all of its local blocks over data,
-    drained; the parameters are arguments at 1/(data x model)."""
-    step, compiled, sched = _gpu_step("gspmd", shard_params=True, remat=True)
+@pytest.mark.parametrize("tensor_parallel", ["gspmd", "manual"])
+def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler(tensor_parallel):
+    """ZeRO-3 with gspmd (and with the loss on local blocks) on compile-only 8xH100 (data=4,
+    model=2), remat blocks: every parameter all-gather is over the data axis, of one model rank's
+    local bucket, in forward and again in each block's backward; over the model axis only
+    all-reduces (activations, the replicated leaves' pmax); each bucket's gradient is one bf16
+    all-to-all of its local blocks over data, drained; the parameters are arguments at
+    1/(data x model)."""
+    step, compiled, sched = _gpu_step(tensor_parallel, shard_params=True, remat=True)
     data, model = 4, 2
     sizes = step.sync.bucket_sizes
     gathers = [c for c in sched.collectives if c.kind == "all-gather"]
@@ -616,7 +617,8 @@ def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler(
     # one gathered over the model axis too would be `model` times larger.
     count = [0] * len(sizes)
     for c in gathers:
-        named = [k for k in range(len(sizes)) if c.in_scope(f"jax_drain/gather/bucket{k}/")]
+        named = [k for k in range(len(sizes))  # the scope closes with "/", or ")" inside a jvp(...)
+                 if any(re.search(rf"jax_drain/gather/bucket{k}[/)]", name) for name in c.op_names)]
         assert c.bytes == 2 * sum(sizes[k] for k in named), (c.op_names, c.bytes)
         for k in named:
             count[k] += 1
@@ -630,7 +632,7 @@ def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler(
 
     # Against ZeRO-1 with gspmd: the arguments are smaller by the parameters' local blocks less
     # this device's 1/data of them (bf16; the optimizer state and batch are the same).
-    _, zero1, _ = _gpu_step("gspmd", shard_params=False, remat=True)
+    _, zero1, _ = _gpu_step(tensor_parallel, shard_params=False, remat=True)
     blocks = 2 * sum(sum(p.size for p in b.pieces) for b in step.sync.chains[0].layout.buckets)
     saved = zero1.memory_analysis().argument_size_in_bytes - compiled.memory_analysis().argument_size_in_bytes
     assert saved == blocks - 2 * sum(sizes) // data
@@ -732,13 +734,9 @@ def test_scanned_stack_with_shard_params_gathers_and_reduces_each_layer_in_the_s
 
 
 def test_scanned_stack_refusals_with_gspmd(cpu_devices):
-    """What the in-scan sync does not do with gspmd yet is refused, saying what to use."""
+    """A layer dimension split over a model axis is refused, naming the leaf."""
     mesh = _mesh("data_model", cpu_devices)
     params = _scan_params(np.random.default_rng(0))
-    with pytest.raises(ValueError, match="hand-written .manual. tensor-parallel param_specs"):
-        jd.TrainConfig(scan_layers=True, param_specs=SCAN_SPECS)
-    with pytest.raises(ValueError, match="only with tensor_parallel='gspmd'"):
-        jd.ScanGradSync(params, mesh, stacked={"blocks": True, "head": False}, param_specs=SCAN_SPECS)
     with pytest.raises(ValueError, match=r"'blocks/norm' .* layer \(leading\) dimension"):
         jd.ScanGradSync(params, mesh, stacked={"blocks": True, "head": False}, tensor_parallel="gspmd",
                         param_specs={**SCAN_SPECS, "blocks": {**SCAN_BLOCK_SPECS, "norm": P("model")}})

@@ -115,6 +115,25 @@ def scan_loss(p, batch):
     return _mse(h @ p["head"], batch["y"])
 
 
+def _scan_mlp(p, batch, model_axis):
+    """A scanned stack of Megatron MLPs with a tied weight: ``w`` column-parallel in, its
+    transpose row-parallel out (one ``psum`` over ``model_axis`` per layer on local blocks)."""
+    def layer(h, block):
+        y = jnp.tanh((h * block["norm"]) @ block["w"]) @ block["w"].T
+        return h + (jax.lax.psum(y, model_axis) if model_axis else y), None
+
+    h, _ = jax.lax.scan(layer, batch["x"] @ p["embed"], p["blocks"])
+    return _mse(h @ p["head"], batch["y"])
+
+
+def tp_scan_loss(p, batch):
+    return _scan_mlp(p, batch, "model")
+
+
+def scan_mlp_reference_loss(p, batch):
+    return _scan_mlp(p, batch, None)
+
+
 SCAN_SPECS = {"embed": None, "head": None, "blocks": {"w": P(None, None, "model"), "norm": None}}
 
 
@@ -145,12 +164,25 @@ CASES = {
                                  expert=lambda path: path.startswith("experts"),
                                  param_specs={**TP_SPECS, "w_in": None, "b_in": None, "w_out": None,
                                               "experts": P("expert")})),
+    "expert_parallel_zero3": Case(_expert_params, moe_loss, moe_reference_loss,
+                                  ((2, 2, 2), ("data", "expert", "model")),
+                                  dict(axis=("data", "expert"), expert_axis="data", shard_params=True,
+                                       expert=lambda path: path.startswith("experts"),
+                                       param_specs={**TP_SPECS, "w_in": None, "b_in": None, "w_out": None,
+                                                    "experts": P("expert")})),
     "gspmd": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((4, 2), ("data", "model")),
                   dict(param_specs=TP_SPECS, tensor_parallel="gspmd")),
     "gspmd_split_leaves": Case(_dense_params, dense_reference_loss, dense_reference_loss,
                                ((2, 2, 2), ("replica", "data", "model")),
                                dict(outer_axis="replica", param_specs=TP_SPECS, tensor_parallel="gspmd",
                                     split_leaves=True, microbatches=2)),
+    # ZeRO-3 with hand-written tensor parallel: each device holds its shard of its model rank's blocks.
+    "tensor_parallel_zero3": Case(_dense_params, tp_loss, dense_reference_loss, ((4, 2), ("data", "model")),
+                                  dict(param_specs=TP_SPECS, shard_params=True, split_leaves=True)),
+    "replica_data_model_zero3": Case(_dense_params, tp_loss, dense_reference_loss,
+                                     ((2, 2, 2), ("replica", "data", "model")),
+                                     dict(outer_axis="replica", param_specs=TP_SPECS, microbatches=2,
+                                          shard_params=True)),
     "tensor_parallel_split_leaves": Case(_dense_params, tp_loss, dense_reference_loss, ((4, 2), ("data", "model")),
                                          dict(param_specs=TP_SPECS, split_leaves=True)),
     # A scanned stack written for GSPMD, each layer's weight split over "model": every layer's
@@ -165,6 +197,15 @@ CASES = {
     "gspmd_scanned_outer": Case(_scan_params, scan_loss, scan_loss, ((2, 2, 2), ("replica", "data", "model")),
                                 dict(tensor_parallel="gspmd", scan_layers=True, outer_axis="replica",
                                      microbatches=2, split_leaves=True, param_specs=SCAN_SPECS)),
+    # A scanned stack with hand-written tensor parallel: each layer's buckets reduced in the backward scan.
+    "tensor_parallel_scanned": Case(_scan_params, tp_scan_loss, scan_mlp_reference_loss,
+                                    ((2, 2, 2), ("replica", "data", "model")),
+                                    dict(scan_layers=True, outer_axis="replica", microbatches=2, split_leaves=True,
+                                         param_specs=SCAN_SPECS)),
+    "tensor_parallel_scanned_zero3": Case(_scan_params, tp_scan_loss, scan_mlp_reference_loss,
+                                          ((4, 2), ("data", "model")),
+                                          dict(scan_layers=True, shard_params=True, bucket_size=30,
+                                               param_specs=SCAN_SPECS)),
     "scanned_outer": Case(_scan_params, scan_loss, scan_loss, ((2, 4), ("replica", "data")),
                           dict(outer_axis="replica", scan_layers=True, microbatches=2)),
 }
@@ -195,6 +236,11 @@ def _step(case: Case, params, batch, cpu_devices, tx=None) -> jd.TrainStep:
     return jd.make_train_step(params, case.loss, tx or _tx(), mesh, config, example_batch=batch)
 
 
+def _trained(step: jd.TrainStep, state: jd.TrainState) -> Any:
+    """The trained parameter tree on the host (ZeRO-3: gathered from the shards)."""
+    return step.master_params(state) if step.config.shard_params else jax.device_get(state.params)
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     case = CASES[kind]
@@ -211,7 +257,7 @@ def test_trains_like_optax_on_one_device_and_resumes_bit_for_bit(kind, cpu_devic
         state, metrics = step(state, batch)
         losses.append(float(metrics.loss))
     want, _, gradients = _reference(case, params, batches[:STEPS])
-    assert_within(jax.device_get(state.params), want, trajectory_bounds(case, params, gradients)[-1],
+    assert_within(_trained(step, state), want, trajectory_bounds(case, params, gradients)[-1],
                   what=f"{kind} after {STEPS} AdamW steps")
     assert losses[-1] < losses[0]
 
@@ -244,7 +290,8 @@ def test_global_norm_counts_every_element_once(kind, cpu_devices):
     step = _step(case, params, batch, cpu_devices, tx=optax.chain(jd.clip_by_global_norm(1e-3), optax.sgd(1.0)))
     state, _ = step(step.init(params), batch)
     want, _, _ = _reference(case, params, [batch], tx=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0)))
-    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), jax.device_get(state.params), params)
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), _trained(step, state),
+                         params)
     expected = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), want, params)
     norm = lambda t: np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(t)))
     # One clipped SGD step moves by 1e-3 g / |g|: the gradient's roundings relative to the move,
@@ -255,12 +302,43 @@ def test_global_norm_counts_every_element_once(kind, cpu_devices):
     assert_within(moved, expected, bound, what="clipped SGD move")
 
 
+@pytest.mark.parametrize("kind", ["tensor_parallel_zero3", "replica_data_model_zero3"])
+def test_shard_params_with_hand_written_tensor_parallel_holds_its_blocks_shard(kind, cpu_devices):
+    """ZeRO-3 with the loss on local blocks: parameter, master and optimizer shards are split
+    over the data axes and the model axis (replicated over the outer axis), so a device holds
+    1/(data x model) of the tensor-parallel weights and 1/data of the model-replicated leaves
+    (each model rank's buckets hold its own copy)."""
+    case = CASES[kind]
+    params = case.params(np.random.default_rng(0))
+    step = _step(case, params, _batches(0, 1)[0], cpu_devices)
+    state = step.init(params)
+    shape, names = case.mesh
+    data = int(np.prod([n for n, a in zip(shape, names) if a == "data"]))
+    model = dict(zip(names, shape))["model"]
+    for x in (*state.params.shards, *state.opt_state.master,
+              *[leaf for leaf in jax.tree.leaves(state.opt_state.inner) if leaf.ndim]):
+        assert {s.data.shape for s in x.addressable_shards} == {(x.shape[0] // (data * model),)}, x.sharding
+    held = sum(x.addressable_shards[0].data.size for x in state.params.shards)
+    split = sum(int(np.prod(x.shape)) for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(
+        TP_SPECS, is_leaf=lambda s: s is None or isinstance(s, P))) if spec is not None)
+    replicated = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) - split
+    padding = sum(size - sum(p.size for p in b.pieces)
+                  for b, size in zip(step.sync.chains[0].layout.buckets, step.sync.bucket_sizes))
+    assert held * data * model == split + replicated * model + padding * model
+
+
 def test_scan_layers_on_a_tensor_parallel_mesh(cpu_devices):
-    """ScanGradSync takes param_specs only with gspmd: scan_layers=True is refused with hand-written
-    tensor parallel; scan_layers=None keeps whole-leaf buckets (and never traces the
-    tensor-parallel loss outside shard_map)."""
-    with pytest.raises(ValueError, match="supports neither hand-written .manual. tensor-parallel param_specs"):
-        jd.TrainConfig(scan_layers=True, param_specs=TP_SPECS)
+    """With hand-written tensor parallel, scan_layers=None finds a scanned stack on the loss's
+    local blocks (the tensor_parallel_scanned cases) and keeps whole-leaf buckets without one;
+    expert params are refused for a scanned stack."""
+    with pytest.raises(ValueError, match="does not support expert params"):
+        jd.TrainConfig(scan_layers=True, param_specs=TP_SPECS, expert=lambda path: False)
+    case = CASES["tensor_parallel_scanned"]
+    params = case.params(np.random.default_rng(0))
+    mesh = Mesh(np.array(cpu_devices).reshape(2, 2, 2), ("replica", "data", "model"))
+    config = jd.TrainConfig(**{**case.config, "scan_layers": None})
+    step = jd.make_train_step(params, case.loss, _tx(), mesh, config, example_batch=_batches(0, 1)[0])
+    assert step.scan_layers and isinstance(step.sync, jd.ScanGradSync)
     case = CASES["tensor_parallel"]
     params = case.params(np.random.default_rng(0))
     mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "model"))

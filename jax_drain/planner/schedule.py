@@ -208,6 +208,11 @@ def expand_op_name(op_name: str) -> tuple[str, ...]:
 
         >>> expand_op_name("jit(f)/jax_drain/(bucket0/reduce_scatter:bucket1/reduce_scatter)")
         ('jit(f)/jax_drain/bucket0/reduce_scatter', 'jit(f)/jax_drain/bucket1/reduce_scatter')
+
+    The common prefix is cut by characters, so it may open a scope the parts close::
+
+        >>> expand_op_name("jvp(gather/(bucket4)/ag:bucket3)/ag)")
+        ('jvp(gather/bucket4)/ag', 'jvp(gather/bucket3)/ag')
     """
     if not op_name.endswith(")"):
         return (op_name,)
@@ -220,6 +225,11 @@ def expand_op_name(op_name: str) -> tuple[str, ...]:
     prefix, group = op_name[:i], op_name[i + 1 : -1]
     parts = _split_top(group, ":")
     if (prefix and not prefix.endswith("/")) or len(parts) < 2:
+        # The prefix ends inside an open scope: the group is the last "/(" ... ")" whose parts
+        # (split at every ":") are at least two.
+        for j in range(len(op_name) - 2, -1, -1):
+            if op_name.startswith("/(", j) and len(parts := op_name[j + 2 : -1].split(":")) >= 2:
+                return tuple(op_name[: j + 1] + part for part in parts)
         return (op_name,)
     return tuple(name for part in parts for name in expand_op_name(prefix + part))
 
