@@ -777,14 +777,18 @@ class TrainStep:
             self.config.check_scannable()  # the mode is known only now
         local_micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.data_size, *x.shape[1:]), x.dtype), global_micro)
-        try:
-            mask = stacked_leaves(self._with_bound_axes(self._scalar_loss(in_shard_map=False)), self._loss_view(),
-                                  local_micro)
-        except Exception as e:  # noqa: BLE001 - any tracing failure
-            if wanted is None and self.tensor_parallel != "gspmd":
-                return None  # a hand-written loss whose collectives need their real axis sizes: whole leaves
-            raise ValueError(f"scan_layers=True: could not trace the loss to find its scanned parameters, with "
-                             f"the axes it runs manual over bound at size 1: {type(e).__name__}: {e}") from e
+        loss, params = self._with_bound_axes(self._scalar_loss(in_shard_map=False)), self._loss_view()
+        if params is self._abstract_params:
+            mask = stacked_leaves(loss, params, local_micro)
+        else:  # hand-written tensor parallel: its model-axis collectives run at size 1 here
+            try:
+                mask = stacked_leaves(loss, params, local_micro)
+            except Exception as e:  # noqa: BLE001 - any tracing failure
+                if wanted is None:
+                    return None  # a loss whose collectives need their real axis sizes: whole-leaf buckets
+                raise ValueError(
+                    f"scan_layers=True: could not trace the loss on its local blocks, with the model axes bound at "
+                    f"size 1, to find its scanned parameters ({type(e).__name__}: {e}); use scan_layers=False") from e
         if not any(jax.tree.leaves(mask)):
             if wanted is None:
                 return None
