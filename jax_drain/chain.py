@@ -186,6 +186,8 @@ class BucketChain:
         }
         if self.data_major:  # only then: the manual layouts' fingerprints stay what they were
             out["data_major"] = True
+        if layout.owners:  # likewise: whole-parameter ownership
+            out["owners"] = layout.owners
         return out
 
     # -- buckets ----------------------------------------------------------------------------
@@ -348,6 +350,7 @@ def build_chain(
     split_leaves: bool = False,
     wire_dtype: Any = None,
     data_major: bool = False,
+    owned: bool = False,
 ) -> BucketChain:
     """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
     layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
@@ -360,6 +363,7 @@ def build_chain(
     layout = BucketLayout.build(
         [jax.ShapeDtypeStruct(s, placements[i].dtype) for s, i in zip(shapes, leaves)],
         bucket_size, shard_multiple=math.lcm(axis_size, 128), order=sub_order, split_leaves=split_leaves,
+        owners=axis_size if owned else None,
     )
     # Slots keep their index into the chain's own list but show the parameter's real path.
     slots = tuple(dataclasses.replace(s, path=placements[leaves[s.index]].path) for s in layout.slots)

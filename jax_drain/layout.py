@@ -189,6 +189,7 @@ class BucketLayout:
     slots: tuple[LeafSlot, ...]  # indexed by leaf index
     buckets: tuple[Bucket, ...]  # dispatch order
     shard_multiple: int
+    owners: int | None = None  # whole-parameter ownership over this many devices (see build)
 
     @classmethod
     def build(
@@ -199,6 +200,7 @@ class BucketLayout:
         order: Sequence[int] | None = None,
         *,
         split_leaves: bool = False,
+        owners: int | None = None,
     ) -> "BucketLayout":
         """Lays out the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s).
 
@@ -213,10 +215,21 @@ class BucketLayout:
                 exactly ``bucket_size`` elements, a leaf split at bucket boundaries into
                 :class:`Piece` s, so one large leaf (a tied embedding) no longer makes one large
                 bucket. ``False``: whole leaves, Megatron's rule.
+            owners: whole-parameter ownership over this many devices (Megatron's layer-wise
+                distributed optimizer): each bucket is ``owners`` equal slots and each leaf
+                lies whole in one of them, the bucket's leaves spread over the slots largest
+                first, each to the least filled one; a reduce-scatter over ``owners`` devices then
+                delivers whole parameters to their owner. Gaps are zero padding. ``None``: each
+                device gets a contiguous ``1 / axis_size`` of every bucket.
         """
         bucket_size = check_bucket_size(bucket_size)
         if shard_multiple < 1:
             raise ValueError(f"shard_multiple must be >= 1, got {shard_multiple}")
+        if owners is not None and (isinstance(owners, bool) or not isinstance(owners, int) or owners < 1):
+            raise ValueError(f"owners must be an int >= 1 (the devices a bucket is scattered over), got {owners!r}")
+        if owners is not None and split_leaves:
+            raise ValueError("whole-parameter ownership keeps every leaf whole: it cannot split leaves over buckets "
+                             "(split_leaves=True)")
         leaves, treedef = jax.tree.flatten(tree)
         if not leaves:
             raise ValueError("the parameter tree has no leaves; nothing to synchronise")
@@ -258,16 +271,20 @@ class BucketLayout:
         slots: list[LeafSlot | None] = [None] * len(leaves)
         buckets = []
         for b, (dtype, members) in enumerate(closed):
-            offset, pieces = 0, []
-            for i, start, size in members:
-                if start == 0:
-                    slots[i] = LeafSlot(i, paths[i], tuple(leaves[i].shape), dtype, b, offset)
-                pieces.append(Piece(i, start, size, offset))
-                offset += size
-            padded = max(shard_multiple, -(-offset // shard_multiple) * shard_multiple)
-            members_in_order = tuple(dict.fromkeys(p.leaf for p in pieces))
-            buckets.append(Bucket(b, dtype, members_in_order, offset, padded, tuple(pieces)))
-        return cls(treedef, tuple(slots), tuple(buckets), shard_multiple)
+            if owners is None:
+                offset, pieces = 0, []
+                for i, start, size in members:
+                    pieces.append(Piece(i, start, size, offset))
+                    offset += size
+                used, padded = offset, max(shard_multiple, -(-offset // shard_multiple) * shard_multiple)
+            else:
+                pieces, used, padded = _owned_pieces(members, owners, shard_multiple)
+            for p in pieces:
+                if p.start == 0:
+                    slots[p.leaf] = LeafSlot(p.leaf, paths[p.leaf], tuple(leaves[p.leaf].shape), dtype, b, p.offset)
+            members_in_order = tuple(dict.fromkeys(i for i, _, _ in members))
+            buckets.append(Bucket(b, dtype, members_in_order, used, padded, tuple(pieces)))
+        return cls(treedef, tuple(slots), tuple(buckets), shard_multiple, owners)
 
     @property
     def split(self) -> bool:
@@ -302,10 +319,30 @@ class BucketLayout:
         bucket ``k``'s own leaves, ``Bucket.leaves``, are read)."""
         bucket = self.buckets[k]
         bucket_dtype = bucket.dtype if dtype is None else dtype
-        parts = [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size).astype(bucket_dtype) for p in bucket.pieces]
-        if bucket.padding:
-            parts.append(jnp.zeros((bucket.padding,), bucket_dtype))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self.assemble(k, [_piece_of(leaves[p.leaf], p, self.slots[p.leaf].size) for p in bucket.pieces],
+                             bucket_dtype)
+
+    def assemble(self, k: int, parts: Sequence[jax.Array], dtype: Any = None) -> jax.Array:
+        """Bucket ``k`` (1-D) from its pieces' flat values (``parts[j]`` for ``pieces[j]``), cast
+        to ``dtype`` (default the bucket's), zeros wherever no piece lies."""
+        bucket = self.buckets[k]
+        dtype = bucket.dtype if dtype is None else dtype
+        out, cursor = [], 0
+        for p, part in zip(bucket.pieces, parts):
+            if p.offset > cursor:
+                out.append(jnp.zeros((p.offset - cursor,), dtype))
+            out.append(jnp.reshape(part, (-1,)).astype(dtype))
+            cursor = p.offset + p.size
+        if bucket.padded_size > cursor:
+            out.append(jnp.zeros((bucket.padded_size - cursor,), dtype))
+        return jnp.concatenate(out) if len(out) > 1 else out[0]
+
+    def owned_pieces(self, k: int, owner: int) -> tuple[Piece, ...]:
+        """The pieces of bucket ``k`` that lie in ``owner``'s slot (whole-parameter ownership)."""
+        if self.owners is None:
+            raise ValueError("owned_pieces needs a layout built with owners= (whole-parameter ownership)")
+        slot = self.buckets[k].padded_size // self.owners
+        return tuple(p for p in self.buckets[k].pieces if owner * slot <= p.offset < (owner + 1) * slot)
 
     def unflatten(self, buckets: Sequence[jax.Array]) -> PyTree:
         """Inverse of :meth:`flatten`: leaves take their bucket's dtype."""
@@ -353,6 +390,22 @@ class BucketLayout:
 
 def _size(leaf: Any) -> int:
     return math.prod(leaf.shape)
+
+
+def _owned_pieces(members: Sequence[tuple[int, int, int]], owners: int,
+                  shard_multiple: int) -> tuple[tuple[Piece, ...], int, int]:
+    """One bucket's whole leaves spread over ``owners`` equal slots, largest first, each to the
+    least filled slot (the lowest on a tie): ``(pieces by offset, used elements, padded size)``."""
+    fill = [0] * owners
+    placed: list[tuple[int, int, int, int]] = []  # (owner, offset in the slot, leaf, size)
+    for i, _, size in sorted(members, key=lambda m: -m[2]):  # stable: ready order among equals
+        owner = min(range(owners), key=lambda r: (fill[r], r))
+        placed.append((owner, fill[owner], i, size))
+        fill[owner] += size
+    step = shard_multiple // math.gcd(shard_multiple, owners)  # so that owners * slot splits evenly
+    slot = max(step, -(-max(fill) // step) * step)
+    pieces = sorted((Piece(i, 0, size, owner * slot + at) for owner, at, i, size in placed), key=lambda p: p.offset)
+    return tuple(pieces), sum(fill), owners * slot
 
 
 def _piece_of(leaf: Any, piece: Piece, leaf_size: int) -> jax.Array:

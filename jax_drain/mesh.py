@@ -136,6 +136,18 @@ def check_tensor_parallel(mode: Any) -> str:
     return mode
 
 
+OWNERSHIP_MODES = ("element", "param")
+
+
+def check_ownership(mode: Any) -> str:
+    """Returns ``mode`` if it is one of ``OWNERSHIP_MODES``, else raises ``ValueError``."""
+    if not isinstance(mode, str) or mode not in OWNERSHIP_MODES:
+        raise ValueError(
+            f"ownership must be 'element' (each device holds a contiguous slice of every bucket) or 'param' "
+            f"(each device holds whole parameters, for optimizers that need them), got {mode!r}")
+    return mode
+
+
 def auto_mesh(mesh: Mesh) -> Mesh:
     """``mesh`` with every axis of type ``Auto`` (the same devices and names).
 

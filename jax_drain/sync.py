@@ -68,7 +68,8 @@ from jax_drain.feedback import check_error_feedback
 from jax_drain.layout import BucketLayout, check_order
 from jax_drain.losses import LocalStep, check_loss_varies, local_value_and_grad, pack_value
 from jax_drain.mesh import (
-    AxisSpec, ExpertSpec, LeafPlacement, as_axes, auto_mesh, axes_size, check_mesh, check_tensor_parallel, place_leaves,
+    AxisSpec, ExpertSpec, LeafPlacement, as_axes, auto_mesh, axes_size, check_mesh, check_ownership, check_tensor_parallel,
+    place_leaves,
 )
 
 PyTree = Any
@@ -152,6 +153,14 @@ class GradSync(ChainedSync):
             are used as ``Auto`` (:attr:`mesh`; GSPMD partitioning), the shards are laid out data
             axes first (:attr:`BucketChain.data_major <jax_drain.BucketChain>`). Not with expert
             params yet.
+        ownership: which elements a device's shard holds. ``"element"`` (default): a contiguous
+            ``1 / size(axis)`` of every bucket. ``"param"``: whole parameters (Megatron's
+            layer-wise distributed optimizer): each bucket's leaves are spread over the devices
+            along ``axis`` (:meth:`BucketLayout.build <jax_drain.BucketLayout.build>`'s
+            ``owners``), so the same drained reduce-scatter delivers every parameter whole to
+            one device, and an optimizer that needs whole tensors (Muon, Adafactor, LAMB; see
+            :func:`jax_drain.whole_params`) runs there. Not with ``param_specs`` that shard a
+            parameter, expert params or ``split_leaves``.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
@@ -178,9 +187,11 @@ class GradSync(ChainedSync):
         split_leaves: bool = False,
         wire_dtype: Any = None,
         tensor_parallel: str = "manual",
+        ownership: str = "element",
     ):
         check_mesh(mesh)
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
+        self.ownership = check_ownership(ownership)
         gspmd = self.tensor_parallel == "gspmd"
         if gspmd:
             if expert is not None:
@@ -214,9 +225,18 @@ class GradSync(ChainedSync):
         dense = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
         expert_idx = tuple(i for i, pl in enumerate(self.placements) if pl.expert)
         self.split_leaves = check_flag(split_leaves, "split_leaves")
+        owned = self.ownership == "param"
+        if owned:
+            split = [pl.path for pl in self.placements if pl.spec_axes or pl.expert]
+            if split or self.split_leaves:
+                raise ValueError(
+                    "ownership='param' hands each parameter whole to one device along the data axes; "
+                    + (f"{split[:4]} are split over other mesh axes (tensor or expert parallel), so no device "
+                       "holds them whole: use ownership='element'" if split else
+                       "split_leaves=True cuts parameters over buckets: use split_leaves=False"))
         chain = lambda name, scope, leaves, axes: build_chain(
             name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
-            split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd)
+            split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd, owned=owned)
         chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
         if expert_idx:
             chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))
@@ -338,6 +358,8 @@ class GradSync(ChainedSync):
             extra += f", expert_axis={self.expert_axis!r}, num_expert_buckets={self.num_expert_buckets}"
         if self.tensor_parallel != "manual":
             extra += f", tensor_parallel={self.tensor_parallel!r}"
+        if self.ownership != "element":
+            extra += f", ownership={self.ownership!r}"
         return (
             f"GradSync(axis={self.axis!r}, axis_size={self.axis_size}, reduce={self.reduce!r}, "
             f"drain={self.drain}, max_in_flight={self.max_in_flight}, num_buckets={self.num_buckets}{extra})"

@@ -314,10 +314,7 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
         return tuple(out)
 
     def lay_back(pieces):
-        parts = [p.reshape(-1).astype(bucket.dtype) for p in pieces]
-        if bucket.padding:
-            parts.append(jnp.zeros((bucket.padding,), bucket.dtype))
-        whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        whole = chain.layout.assemble(k, pieces)
         # A bucket of model-replicated leaves is still one model rank's bucket.
         return _compat.mark_varying(whole, sync.region_axes(local_axes + chain.spec_axes))
 
