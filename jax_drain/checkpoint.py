@@ -911,7 +911,16 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
-    """Only the DistStates' layouts may differ: every other leaf must match path, shape, dtype."""
+    """Only the DistStates' layouts may differ: every other leaf must match path, shape, dtype.
+    A whole-parameter ownership layout's tx state is packed per owner: it moves to no other."""
+    owned = [layout["path"] or "<root>" for side in (saved, wanted) for layout in side["layouts"]
+             if any(chain.get("owners") for chain in json.loads(layout["description"]))]
+    if owned:
+        raise CheckpointMismatchError(
+            f"checkpoint {directory / str(step)} was saved with another bucket layout than the target's, and the "
+            f"optimizer state at {sorted(set(owned))} uses whole-parameter ownership (ownership='param'), whose tx "
+            "state is packed by owner and cannot be re-laid: restore with the mesh, bucket size and ownership it "
+            "was saved with")
     if not _same_model(saved, wanted):
         raise CheckpointMismatchError(
             f"checkpoint {directory / str(step)} does not match the target state: "

@@ -74,10 +74,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
+from jax_drain._jaxpr import call_body, is_literal
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
 from jax_drain.mesh import broadcast_prefix
+from jax_drain.ownership import OwnedParams, check_per_parameter
 
 __all__ = [
     "GATHER_SCOPE", "DistState", "DistributedOptimizer", "FlatShards", "UpdateReport", "adamw", "clip_by_global_norm",
@@ -407,6 +409,56 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
                     f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
 
 
+def depends_on_shapes(tx: optax.GradientTransformation, params: PyTree) -> bool:
+    """Whether ``tx`` computes differently at the parameters' real shapes than on a copy with
+    every dimension at most 2 (abstract, cheap): a transform that needs whole tensors (Muon's
+    orthogonalisation, Adafactor's factored moments), which flat shards cannot give it."""
+    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
+    return _shape_dependence(tx, real, jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32),
+                                                    real)) is not None
+
+
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+                         "dot_general", "cumsum", "cumprod", "cummax", "cumlogsumexp"})
+
+
+def reduces_within_leaves(tx: optax.GradientTransformation, params: PyTree) -> bool:
+    """Whether some leaf's update depends on a reduction over that leaf's own values and no
+    other's (abstract, cheap): a per-parameter quantity such as LAMB's and LARS's trust ratios,
+    which flat shards cannot give. A reduction over every leaf (a global norm) is not one."""
+    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
+    try:
+        state = jax.eval_shape(tx.init, real)
+        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[0])(real, state, real)
+    except Exception:  # noqa: BLE001 - the checks on arrays report a tx that cannot trace
+        return False
+    n = len(jax.tree.leaves(real))
+    # Each variable: (the leaves its value depends on, the leaves a reduction it depends on read).
+    tags = [(frozenset({i}), frozenset()) for i in range(n)]
+    inputs = tags + [(frozenset(), frozenset())] * len(jax.tree.leaves(state)) + tags
+    outputs = _reduction_tags(closed.jaxpr, inputs)
+    return any(reduced == {i} for i, (_, reduced) in enumerate(outputs[:n]))
+
+
+def _reduction_tags(jaxpr: Any, inputs: Sequence[tuple[frozenset, frozenset]]) -> list[tuple[frozenset, frozenset]]:
+    env = dict(zip(jaxpr.invars, inputs))
+    none = (frozenset(), frozenset())
+    read = lambda v: none if is_literal(v) else env.get(v, none)  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = call_body(eqn)
+        if body is not None:
+            outs = _reduction_tags(body[0], ins)
+        else:
+            leaves = frozenset().union(*(t for t, _ in ins))
+            reduced = frozenset().union(*(r for _, r in ins))
+            if eqn.primitive.name in _REDUCTIONS:
+                reduced = reduced | leaves
+            outs = [(leaves, reduced)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def _shrink(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The check's copy of a leaf's shape: same ndim, every dimension at most 2."""
     return tuple(min(int(d), 2) for d in shape)
@@ -535,8 +587,9 @@ def _transform_hint(what: str, details: str) -> str:
         "optax.adamw(mask=...), optax.multi_transform) and per-device norms "
         "(optax.clip_by_global_norm) would silently change training. Use jax_drain.masked(inner, "
         "mask), jax_drain.adamw(..., mask=...) and jax_drain.clip_by_global_norm(max_norm) "
-        "instead; other per-leaf transforms (lamb, lars, adafactor, scale_by_trust_ratio) are not "
-        f"supported. DistributedOptimizer(check_tx=False) skips this check. ({details})"
+        "instead. Transforms that need whole parameters (optax.contrib.muon, adafactor, lamb, lars) run "
+        "with whole-parameter ownership: GradSync(..., ownership='param') or TrainConfig(ownership='param'). "
+        f"DistributedOptimizer(check_tx=False) skips this check. ({details})"
     )
 
 
@@ -555,7 +608,13 @@ class DistributedOptimizer:
             forward order) waits for gather ``k``'s result. ``"sync"`` (default) uses the sync's
             ``max_in_flight``, or 1 when the sync is not drained; ``None`` leaves the gathers
             unchained (XLA may then combine them into one).
-        check_tx: run :func:`check_transform` once, here (see the module doc).
+        check_tx: run :func:`check_transform` once, here (see the module doc); with
+            whole-parameter ownership :func:`~jax_drain.ownership.check_per_parameter`.
+        max_grad_norm: clip the gradient to this global norm before ``tx`` (optax's rule: times
+            ``max_grad_norm / norm`` when ``norm >= max_grad_norm``), the norm over every
+            element of every device once; what ``jax_drain.clip_by_global_norm`` in ``tx`` does,
+            for a ``tx`` that runs per owner (``ownership="param"``), where a clip inside would
+            see one owner's parameters only. ``None``: no clip.
 
     Inside ``jax.shard_map``: :meth:`init`, :meth:`update`, :meth:`gather_params`. Outside:
     :meth:`init_sharded`, :meth:`state_specs`, :meth:`abstract_state`, :meth:`check_state`,
@@ -569,6 +628,7 @@ class DistributedOptimizer:
         *,
         gather_max_in_flight: int | str | None = "sync",
         check_tx: bool = True,
+        max_grad_norm: float | None = None,
     ):
         if not isinstance(sync, ChainedSync):
             raise TypeError(f"sync must be a jax_drain.GradSync or jax_drain.ScanGradSync, got {type(sync).__name__}")
@@ -576,6 +636,10 @@ class DistributedOptimizer:
             raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.sync = sync
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float, np.integer, np.floating)) or not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
         if isinstance(gather_max_in_flight, str) and gather_max_in_flight == "sync":
             gather_max_in_flight = sync.max_in_flight or 1
         elif isinstance(gather_max_in_flight, str):
@@ -585,8 +649,11 @@ class DistributedOptimizer:
         self.fingerprint = self.layout.fingerprint
         self._refs = sync.flat_chains
         self._view = FlatView(self.fingerprint, self._refs, sync.abstract_params, tuple(sync.mesh.axis_names))
+        # Whole-parameter ownership: tx runs on each device's own whole parameters.
+        self._owned = OwnedParams.of(self._refs, sync.abstract_params) if sync.chains[0].layout.owners else None
+        self._packed = None if self._owned is None else self._owned.state_layout(tx)
         if check_flag(check_tx, "check_tx"):
-            check_transform(tx, sync.abstract_params)
+            (check_transform if self._owned is None else check_per_parameter)(tx, sync.abstract_params)
 
     def __repr__(self) -> str:
         return (
@@ -599,7 +666,14 @@ class DistributedOptimizer:
         """This device's state from ``params`` (replicated, or local blocks); call inside
         ``jax.shard_map``. Master shards are this device's slices of the float32-cast buckets."""
         master = self.sync.flat_shards(self.sync.init_master(params))
-        return DistState(master, self.tx.init(FlatShards(master, self._view)), self.layout)
+        return DistState(master, self._init_inner(master), self.layout)
+
+    def _init_inner(self, master: tuple[jax.Array, ...], owner: int | None = None) -> PyTree:
+        """``tx``'s state for the master shards (``owner``: whole-parameter ownership's shapes,
+        outside ``shard_map``)."""
+        if self._owned is not None:
+            return self._owned.init(self.tx, self._packed, master, owner)
+        return self.tx.init(FlatShards(master, self._view))
 
     def update(self, grads: Any, state: DistState) -> tuple[PyTree, DistState]:
         """One optimizer step on this device's shards; call inside ``jax.shard_map``.
@@ -649,16 +723,22 @@ class DistributedOptimizer:
         self._check_local_state(state)
         grads = self._check_grads(self.sync.flat_shards(grads))
         grad_norm = jnp.sqrt(self._view.sum_of_squares(grads))
+        if self.max_grad_norm is not None:
+            clip = grad_norm >= self.max_grad_norm
+            grads = tuple(jnp.where(clip, (g / grad_norm) * self.max_grad_norm, g) for g in grads)
         nonfinite = self._nonfinite_buckets(grads)
         skip = jnp.zeros((), bool)
         if skip_nonfinite:
             skip = nonfinite > 0
         if skip_grad_norm_above is not None:
             skip = skip | (grad_norm > skip_grad_norm_above)
-        updates, inner = self.tx.update(
-            FlatShards(grads, self._view), state.inner, FlatShards(state.master, self._view))
+        if self._owned is not None:
+            updates, inner = self._owned.update(self.tx, self._packed, grads, state.inner, state.master)
+        else:
+            flat, inner = self.tx.update(FlatShards(grads, self._view), state.inner, FlatShards(state.master, self._view))
+            updates = flat.shards
         self._check_shared_state(inner)
-        updates = self._zero_padding(updates.shards)
+        updates = self._zero_padding(updates)
         # optax.apply_updates, in float32.
         master = tuple((m + u.astype(jnp.float32)).astype(jnp.float32) for m, u in zip(state.master, updates))
         if skip_nonfinite or skip_grad_norm_above is not None:
@@ -803,7 +883,7 @@ class DistributedOptimizer:
             for (chain, k), p in zip(self._refs, primes):
                 *rows, size = chain.shard_shape(k)
                 shards.append(jax.ShapeDtypeStruct((*rows, size * (p if scaled else 1)), jnp.float32))
-            return jax.eval_shape(lambda m: self.tx.init(FlatShards(tuple(m), self._view)), shards)
+            return jax.eval_shape(lambda m: self._init_inner(tuple(m), owner=0), shards)
 
         base, scaled = shapes(False), shapes(True)
         owners: list[int | None] = []
@@ -846,10 +926,10 @@ class DistributedOptimizer:
         # Padding elements get zero gradients, so element-wise transforms keep them at zero
         # already; this also holds for transforms that add something (noise, constants).
         out = []
-        for (chain, k), u in zip(self._refs, updates):
-            bucket = chain.layout.buckets[k]
-            if bucket.padding:
-                u = jnp.where(chain.positions(k) < bucket.num_elements, u, jnp.zeros_like(u))
+        every_leaf = [True] * len(self.sync.placements)
+        for i, ((chain, k), u) in enumerate(zip(self._refs, updates)):
+            if chain.layout.buckets[k].padding:
+                u = jnp.where(_inside_runs(chain.positions(k), self._view.runs(i, every_leaf)), u, jnp.zeros_like(u))
             out.append(u)
         return tuple(out)
 

@@ -109,9 +109,12 @@ from jax_drain.layout import check_bucket_size, check_leaves, leaf_paths
 from jax_drain.losses import WeightedLoss, split_output
 from jax_drain.mesh import (
     AxisSpec, ExpertSpec, as_axes, auto_mesh, axes_size, check_array_leaves, check_mesh, check_mesh_axes,
-    check_tensor_parallel, leaf_specs, place_leaves,
+    check_ownership, check_tensor_parallel, leaf_specs, place_leaves,
 )
-from jax_drain.optimizer import DistributedOptimizer, DistState, check_transform, layout_mismatch
+from jax_drain.optimizer import (
+    DistributedOptimizer, DistState, check_transform, depends_on_shapes, layout_mismatch, reduces_within_leaves,
+)
+from jax_drain.ownership import check_per_parameter
 from jax_drain.order import grad_ready_order
 from jax_drain.scan import ScanGradSync, stacked_leaves
 from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed
@@ -145,6 +148,15 @@ class TrainConfig:
             logical axis names of ``nn.with_logical_partitioning`` (or of nnx metadata) to mesh
             axes, as for :func:`flax.linen.logical_to_mesh_axes`.
         bucket_size, reduce, drain, max_in_flight, split_leaves, wire_dtype: passed to the sync.
+        ownership: ``"element"``: each device updates a contiguous slice of every bucket (``tx``
+            must be element-wise, :class:`~jax_drain.DistributedOptimizer`); ``"param"``: each
+            device updates whole parameters (:mod:`jax_drain.ownership`: Muon, Adafactor, LAMB,
+            LARS; ``tx`` must treat parameters independently). ``None`` (default): ``"param"``
+            when ``tx`` needs whole parameters (it computes differently at their real shapes than
+            on a shrunken copy, as Muon's orthogonalisation and Adafactor's factored moments do,
+            or reduces over a parameter's own values, as LAMB's and LARS's trust ratios do;
+            both read from ``tx`` traced abstractly) and the mesh has no tensor-parallel or
+            expert leaves, else ``"element"``.
         param_dtype: a precision policy independent of the model's dtype (FSDP2's
             ``MixedPrecisionPolicy(param_dtype=...)``): the working parameters the loss runs on
             (and the all-gather carries) are cast to this dtype, e.g. ``jnp.bfloat16`` for a
@@ -164,6 +176,9 @@ class TrainConfig:
             in the nested region manual over the model axes; with hand-written (``"manual"``)
             tensor parallel they hold each model rank's blocks. Not with expert params or several
             data axes (``None`` then keeps whole leaves).
+        max_grad_norm: clip the gradient to this global norm before ``tx``
+            (:class:`~jax_drain.DistributedOptimizer`'s ``max_grad_norm``): for a ``tx`` run per
+            owner (``ownership="param"``), where a clip inside ``tx`` is refused. ``None``: none.
         gather_max_in_flight: the parameter all-gather chain depth
             (see :class:`~jax_drain.DistributedOptimizer`).
         donate: donate the input state's buffers to the step (the old state becomes unusable).
@@ -209,6 +224,7 @@ class TrainConfig:
     microbatches: int = 1
     accum_dtype: Any = jnp.float32
     gather_max_in_flight: int | str | None = "sync"
+    max_grad_norm: float | None = None
     donate: bool = True
     scan_layers: bool | None = False
     outer_axis: AxisSpec = None
@@ -225,12 +241,14 @@ class TrainConfig:
     reshard_after_forward: bool = True
     tensor_parallel: str | None = None
     logical_axis_rules: Any = None
+    ownership: str | None = None
 
     def __post_init__(self) -> None:
-        limit = self.skip_grad_norm_above
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float, np.integer, np.floating))
-                                  or not limit > 0):
-            raise ValueError(f"skip_grad_norm_above must be a positive number or None, got {limit!r}")
+        for name in ("skip_grad_norm_above", "max_grad_norm"):
+            limit = getattr(self, name)
+            if limit is not None and (isinstance(limit, bool) or not isinstance(
+                    limit, (int, float, np.integer, np.floating)) or not limit > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {limit!r}")
         if isinstance(self.scan_layers, np.bool_):
             object.__setattr__(self, "scan_layers", bool(self.scan_layers))
         if not any(self.scan_layers is v for v in (True, False, None)):
@@ -259,6 +277,11 @@ class TrainConfig:
             check_tensor_parallel(self.tensor_parallel)
         if self.tensor_parallel == "gspmd":
             self.check_gspmd()
+        if self.ownership is not None:
+            check_ownership(self.ownership)
+            if self.ownership == "param" and (self.scan_layers is True or self.split_leaves):
+                raise ValueError("ownership='param' hands each parameter whole to one device: not with a scanned "
+                                 "stack's per-layer sync (scan_layers=True; use scan_layers=False) nor split_leaves=True")
         if self.logical_axis_rules is not None:
             rules = self.logical_axis_rules
             ok = isinstance(rules, (tuple, list)) and all(
@@ -406,6 +429,8 @@ class TrainStep:
             place_leaves(self._abstract_params, mesh, as_axes(config.axis, "axis"),
                          as_axes(config.outer_axis, "outer_axis", allow_empty=True), config.param_specs,
                          config.expert, None if config.expert_axis is None else as_axes(config.expert_axis, "expert_axis"))
+        #: ``"element"`` or ``"param"`` (:attr:`TrainConfig.ownership`, resolved).
+        self.ownership = self._choose_ownership()
         self.data_size = axes_size(mesh, config.data_axes)
         self._batch_spec = P(config.data_axes[0] if len(config.data_axes) == 1 else config.data_axes)
         self._param_specs = jax.tree.unflatten(
@@ -696,9 +721,10 @@ class TrainStep:
     def _build(self, batch: PyTree) -> None:
         """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
         batch = self._check_batch(batch)
-        # tx is checked (check_transform) on a thread, from here on: its Python work overlaps the
-        # compiles of init and of the first step, which XLA runs without the GIL.
-        self._tx_check = _Background(check_transform, self.tx, self._abstract_params)
+        # tx is checked on a thread, from here on: its Python work overlaps the compiles of init
+        # and of the first step, which XLA runs without the GIL.
+        check = check_per_parameter if self.ownership == "param" else self._check_element_wise
+        self._tx_check = _Background(check, self.tx, self._abstract_params)
         try:
             self._build_checked(batch)
         except BaseException:
@@ -706,6 +732,35 @@ class TrainStep:
             # check's own verdict, if any, is still raised first by _tx_explains.
             self._tx_check.join()
             raise
+
+    def _choose_ownership(self) -> str:
+        """``TrainConfig.ownership``, resolved (see there)."""
+        config = self.config
+        owned_possible = (config.expert is None and not shards_any(self._specs) and not config.split_leaves
+                          and config.scan_layers is not True)
+        if config.ownership == "param" and not owned_possible:
+            raise ValueError("ownership='param' hands each parameter whole to one device along the data axes: not "
+                             "with tensor-parallel or expert params (no device holds them whole); use "
+                             "ownership='element'")
+        if config.ownership is not None:
+            return config.ownership
+        whole = depends_on_shapes(self.tx, self._abstract_params) or reduces_within_leaves(self.tx, self._abstract_params)
+        return "param" if owned_possible and whole else "element"
+
+    def _check_element_wise(self, tx: optax.GradientTransformation, params: PyTree) -> None:
+        """:func:`check_transform`; when it refuses ``tx`` and the ownership was left to the
+        step, the error says whether whole-parameter ownership would run it."""
+        try:
+            check_transform(tx, params)
+        except ValueError as refused:
+            if self.config.ownership is not None:
+                raise
+            try:
+                check_per_parameter(tx, params)
+            except ValueError:
+                raise refused from None
+            raise ValueError(f"{refused}\n\ntx does treat parameters independently: TrainConfig(ownership='param') "
+                             "runs it on whole parameters, each on the device that owns it") from None
 
     def _build_checked(self, batch: PyTree) -> None:
         """:meth:`_build`'s work, while the tx check runs."""
@@ -722,17 +777,19 @@ class TrainStep:
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
             split_leaves=config.split_leaves, wire_dtype=config.wire_dtype,
         )
-        stacked = self._find_stacked(global_micro)
+        stacked = None if self.ownership == "param" else self._find_stacked(global_micro)
         if stacked is not None:
             sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked,
                                              param_specs=self._specs,
                                              tensor_parallel=self.tensor_parallel, **options)
         else:
             sync = GradSync(self._abstract_params, mesh, param_specs=self._specs, expert=config.expert,
-                            expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel, **options)
+                            expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel,
+                            ownership=self.ownership, **options)
         if config.error_feedback:
             check_error_feedback(sync)
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight,
+                                         max_grad_norm=config.max_grad_norm,
                                          check_tx=False)  # checked on the thread above
         with self._tx_explains():  # the state's layout evaluates tx.init on flat shards
             specs = optimizer.state_specs()

@@ -100,6 +100,16 @@ def test_dense_chain_links_bucket_k_to_k_minus_depth(reduce, depth, cpu_devices)
 
 
 @pytest.mark.parametrize("depth", [1, 2, None])
+def test_whole_parameter_layout_keeps_the_chain(depth, cpu_devices):
+    """ownership="param" changes where a bucket's elements lie, not how its buckets are sent."""
+    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100, ownership="param",
+                       drain=depth is not None, max_in_flight=depth)
+    (chain,) = sync.chains
+    assert chain.num_buckets >= 4 and chain.layout.owners == 8
+    assert_chained(collective_dependencies(_traced(sync, _touch_all)), _bucket_labels(chain), depth)
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
 def test_hierarchical_chain_links_the_outer_all_reduce_too(depth, cpu_devices):
     sync = jd.GradSync(DENSE, _mesh((2, 4), ("replica", "data"), cpu_devices), bucket_size=100,
                        outer_axis="replica", drain=depth is not None, max_in_flight=depth)

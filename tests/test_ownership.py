@@ -1,0 +1,234 @@
+"""Whole-parameter ownership: each device updates whole parameters, so transforms that need them
+(Muon, Adafactor, LAMB, LARS, Muon + AdamW by label) run sharded and equal optax on one device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_drain as jd
+from helpers import assert_within, rounding_bound, rounding_chain
+from jax_drain.layout import BucketLayout
+
+SHAPES = {"w1": (16, 32), "b1": (32,), "w2": (32, 8), "scale": (), "w3": (8, 4), "embed": (40, 16)}
+STEPS = 5
+
+
+def _params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for k, s in SHAPES.items()}
+
+
+def _muon_and_adamw():
+    label = lambda p: jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adamw", p)  # noqa: E731
+    return optax.multi_transform({"muon": optax.contrib.muon(0.02), "adamw": optax.adamw(1e-2, weight_decay=0.1)},
+                                 label)
+
+
+TRANSFORMS = {
+    "muon": lambda: optax.contrib.muon(0.02),
+    # Factored second moments for every matrix here (dimensions >= 8).
+    "adafactor": lambda: optax.adafactor(0.01, min_dim_size_to_factor=8),
+    "lamb": lambda: optax.lamb(0.01, weight_decay=0.01),
+    "lars": lambda: optax.lars(0.1),
+    "muon+adamw": _muon_and_adamw,
+}
+
+
+# -- the layout ----------------------------------------------------------------------------------
+
+
+def test_each_leaf_lies_whole_in_one_owner_slot_largest_first():
+    tree = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    layout = BucketLayout.build(tree, bucket_size=None, shard_multiple=128, owners=4)
+    (bucket,) = layout.buckets
+    slot = bucket.padded_size // 4
+    assert bucket.padded_size % 128 == 0
+    fill = [0] * 4
+    for p in bucket.pieces:
+        owner = p.offset // slot
+        assert p.start == 0 and p.size == layout.slots[p.leaf].size  # whole
+        assert p.offset + p.size <= (owner + 1) * slot  # inside its owner's slot
+        fill[owner] += p.size
+    # Largest first to the least filled: 640 | 512 | 256 + 32 + 1 | 128 + 32... as greedy places them.
+    sizes = sorted((int(np.prod(s)) for s in SHAPES.values()), reverse=True)
+    want = [0] * 4
+    for size in sizes:
+        want[min(range(4), key=lambda r: (want[r], r))] += size
+    assert sorted(fill) == sorted(want) and max(fill) <= slot
+    values = {k: jnp.arange(int(np.prod(s)), dtype=jnp.float32).reshape(s) + 1 for k, s in SHAPES.items()}
+    (whole,) = layout.flatten(values)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), layout.unflatten((whole,)), values))
+    used = np.zeros(bucket.padded_size, bool)
+    for p in bucket.pieces:
+        used[p.offset:p.offset + p.size] = True
+    assert not np.any(np.asarray(whole)[~used])  # the gaps are zero padding
+
+
+def test_layout_and_sync_refuse_what_ownership_cannot_do(cpu_devices):
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    with pytest.raises(ValueError, match="cannot split leaves"):
+        BucketLayout.build(tree, bucket_size=16, owners=2, split_leaves=True)
+    with pytest.raises(ValueError, match="owners must be an int"):
+        BucketLayout.build(tree, bucket_size=16, owners=0)
+    mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "model"))
+    with pytest.raises(ValueError, match=r"\['w'\] are split over other mesh axes"):
+        jd.GradSync(tree, mesh, param_specs={"w": P(None, "model")}, ownership="param")
+    with pytest.raises(ValueError, match="ownership must be 'element'"):
+        jd.GradSync(tree, mesh, ownership="whole")
+
+
+# -- the optimizer: equal to optax on one device -------------------------------------------------
+
+
+def _mesh(kind: str, cpu_devices) -> Mesh:
+    if kind == "data":
+        return Mesh(np.array(cpu_devices), ("data",))
+    return Mesh(np.array(cpu_devices).reshape(2, 4), ("replica", "data"))
+
+
+def _against_optax(tx, reference_tx, mesh, what: str, **options) -> None:
+    """Every device sends the same gradient, whose mean is then exact (dyadic values): what
+    remains is ``tx``'s own arithmetic, compiled in another program than the reference's, so the
+    parameters after each step agree to the rounding of the longest chain of the reference's
+    ``update``'s operations over the steps so far."""
+    params = _params()
+    outer = {"outer_axis": "replica"} if "replica" in mesh.axis_names else {}
+    sync = jd.GradSync(params, mesh, bucket_size=500, ownership="param", **outer)
+    assert sync.num_buckets >= 2 and sync.layout.owners == mesh.shape["data"]
+    opt = jd.DistributedOptimizer(tx, sync, **options)
+    state = opt.init_sharded(params)
+    devices = P(tuple(mesh.axis_names))
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(devices, opt.state_specs()), out_specs=(sync.param_specs, opt.state_specs()))
+    def step(grads, state):
+        return opt.update(sync.reduce_scatter(jax.tree.map(lambda g: g[0], grads)), state)
+
+    rng = np.random.default_rng(1)
+    want, ref_state, update = params, reference_tx.init(params), jax.jit(reference_tx.update)
+    chain = rounding_chain(lambda g, s, p: reference_tx.update(g, s, p)[0], params, ref_state, params)
+    moves = jax.tree.map(lambda _: 0.0, params)
+    for t in range(1, STEPS + 1):
+        grads = {k: jnp.asarray(rng.integers(-512, 512, size=s) / 1024.0, jnp.float32) for k, s in SHAPES.items()}
+        got, state = step(jax.tree.map(lambda g: jnp.broadcast_to(g, (8, *g.shape)), grads), state)
+        updates, ref_state = update(grads, ref_state, want)
+        want = optax.apply_updates(want, updates)
+        moves = jax.tree.map(lambda m, u: max(m, float(np.max(np.abs(np.asarray(u)), initial=0.0))), moves, updates)
+        # Each element's update: t steps of tx's chain of roundings, at the largest update so far.
+        bound = jax.tree.map(lambda m, w: rounding_bound(t * chain, m) + rounding_bound(t, np.abs(np.asarray(w))),
+                             moves, want)
+        assert_within(got, want, bound, what=f"{what}, step {t}")
+    moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), want, params)
+    assert all(m > 1e-4 for m in jax.tree.leaves(moved)), moved  # it trained every leaf
+
+
+@pytest.mark.parametrize("mesh_kind", ["data", "replica_data"])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_whole_parameter_transforms_equal_optax_on_one_device(name, mesh_kind, cpu_devices):
+    tx = TRANSFORMS[name]()
+    _against_optax(tx, tx, _mesh(mesh_kind, cpu_devices), f"{name} on {mesh_kind}")
+
+
+def test_max_grad_norm_clips_over_every_owner(cpu_devices):
+    """``max_grad_norm`` with Muon per owner equals ``optax.chain(clip_by_global_norm, muon)`` on
+    one device; the threshold is below every step's gradient norm, so every step is clipped."""
+    tx = optax.contrib.muon(0.02)
+    _against_optax(tx, optax.chain(optax.clip_by_global_norm(1.0), tx), _mesh("data", cpu_devices),
+                   "muon clipped to norm 1", max_grad_norm=1.0)
+
+
+def test_state_per_device_is_one_owner_share():
+    """Optimizer state per device: the largest owner's ``tx`` state (packed per dtype into arrays
+    of the first shard's size), about 1/8 of one-device optax's times the assignment's imbalance."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    tree = {f"w{i}": jax.ShapeDtypeStruct((64, 64 + 8 * i), jnp.float32) for i in range(12)}
+    sync = jd.GradSync(tree, mesh, bucket_size=None, ownership="param")
+    opt = jd.DistributedOptimizer(optax.adafactor(0.01), sync, check_tx=False)
+    per_owner = [sum(np.prod(tree[sync.placements[p.leaf].path].shape) for p in opt._owned.pieces[r]) for r in range(8)]
+    imbalance = max(per_owner) / np.mean(per_owner)
+    summary = opt.memory_summary()
+    one_device_state = summary["replicated"] - 4 * sum(np.prod(x.shape) for x in tree.values())
+    state_bytes = summary["distributed"] - 4 * sum(sync.layout.bucket_sizes) // 8
+    # Adafactor's factored state is far below the parameters'; a slack of one packed array per dtype.
+    assert state_bytes <= imbalance * one_device_state / 8 + 2 * 4 * sync.layout.bucket_sizes[0] // 8
+    assert 1.0 <= imbalance < 1.2
+
+
+# -- the train step -----------------------------------------------------------------------------
+
+
+def _loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["embed"][:16].T @ p["w1"] + p["b1"]) @ p["w2"] * p["scale"]
+    return jnp.mean((h @ p["w3"] - batch["y"]) ** 2)
+
+
+def _batches(n: int):
+    rng = np.random.default_rng(2)
+    return [{"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name, want", [("muon", "param"), ("adafactor", "param"), ("lamb", "param"),
+                                        ("lars", "param"), ("muon+adamw", "param"), ("adamw", "element")])
+def test_train_step_chooses_whole_parameters_for_transforms_that_need_them(name, want, cpu_devices, tmp_path):
+    tx = TRANSFORMS[name]() if name in TRANSFORMS else jd.adamw(1e-2, weight_decay=0.1, max_norm=1.0)
+    mesh = Mesh(np.array(cpu_devices), ("data",))
+    batches = _batches(4)
+    config = jd.TrainConfig(bucket_size=500)
+    step = jd.make_train_step(_params(), _loss, tx, mesh, config, example_batch=batches[0])
+    assert step.ownership == want and step.sync.layout.owners == (8 if want == "param" else None)
+    state = step.init(_params())
+    losses = []
+    for batch in batches[:2]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics.loss))
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    continued = [float(step(state, b)[1].loss) for b in batches[2:3]]
+    fresh = jd.make_train_step(_params(), _loss, tx, mesh, config, example_batch=batches[0])
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
+    assert [float(fresh(restored, b)[1].loss) for b in batches[2:3]] == continued
+    if want == "param":  # another layout cannot take the packed per-owner state
+        other = jd.make_train_step(_params(), _loss, tx, mesh, jd.TrainConfig(bucket_size=100),
+                                   example_batch=batches[0])
+        with pytest.raises(jd.CheckpointMismatchError, match="whole-parameter ownership"):
+            jd.restore_checkpoint(tmp_path / "ckpt", other.abstract_state())
+
+
+def test_train_step_refusals_say_what_to_use(cpu_devices):
+    mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "model"))
+    params = _params()
+    specs = {k: (P(None, "model") if k == "w1" else None) for k in params}
+    with pytest.raises(ValueError, match="not with tensor-parallel or expert params"):
+        jd.make_train_step(params, _loss, optax.contrib.muon(0.02), mesh,
+                           jd.TrainConfig(param_specs=specs, ownership="param"))
+    with pytest.raises(ValueError, match="split_leaves"):
+        jd.TrainConfig(ownership="param", split_leaves=True)
+    data = Mesh(np.array(cpu_devices), ("data",))
+    # A global norm clip inside a whole-parameter tx would see one owner's parameters only.
+    clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.lamb(0.01))
+    step = jd.make_train_step(params, _loss, clipped, data, jd.TrainConfig(bucket_size=500, ownership="param"),
+                              example_batch=_batches(1)[0])
+    with pytest.raises(ValueError, match=r"computes something over several parameters.*max_grad_norm"):
+        step(step.init(params), _batches(1)[0])
+
+
+def test_shard_params_with_whole_parameter_ownership_equals_zero1(cpu_devices):
+    """ZeRO-3 gathers the same buckets (its gradient is ZeRO-1's): Muon per owner gives the same
+    losses bit for bit."""
+    mesh = Mesh(np.array(cpu_devices), ("data",))
+    batches = _batches(3)
+    losses = {}
+    for shard_params in (False, True):
+        step = jd.make_train_step(_params(), _loss, optax.contrib.muon(0.02), mesh,
+                                  jd.TrainConfig(bucket_size=500, shard_params=shard_params), example_batch=batches[0])
+        assert step.ownership == "param"
+        state, losses[shard_params] = step.init(_params()), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses[shard_params].append(float(metrics.loss))
+    assert losses[True] == losses[False] and losses[True][-1] < losses[True][0]
