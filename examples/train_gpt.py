@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient norm clip")
+    p.add_argument("--muon", action="store_true",
+                   help="Muon for the matrices, AdamW for the rest (optax.multi_transform): each device updates "
+                        "whole parameters (TrainConfig ownership='param', chosen by the step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -223,6 +226,15 @@ def optimizer(args: argparse.Namespace):
     # stacked [layers, d] (the unrolled model's matrices are exactly its non-norm leaves).
     matrices = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: not any(str(getattr(k, "key", "")).startswith("ln_") for k in path), params)
+    if args.muon:
+        # Muon needs each matrix whole: the step runs tx per owner and clips with TrainConfig(max_grad_norm).
+        # The embeddings and the head stay with AdamW, as Muon's authors use it.
+        labels = lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, x: "muon" if x.ndim == 2 and not any(str(getattr(k, "key", "")) in ("embed", "pos", "head")
+                                                              for k in path) else "adamw", params)
+        muon = optax.contrib.muon(schedule, beta=0.95, weight_decay=args.weight_decay)
+        adamw = optax.adamw(schedule, *ADAM_BETAS, weight_decay=args.weight_decay, mask=matrices)
+        return optax.multi_transform({"muon": muon, "adamw": adamw}, labels), schedule
     tx = optax.chain(
         jd.clip_by_global_norm(args.clip),
         optax.scale_by_adam(*ADAM_BETAS),
@@ -293,6 +305,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         bucket_size=args.bucket_size, reduce=args.reduce, drain=not args.no_drain,
         microbatches=args.microbatches, scan_layers=args.scan_layers, error_feedback=args.error_feedback,
         param_dtype=args.working_dtype, wire_dtype=args.wire_dtype,
+        max_grad_norm=args.clip if args.muon else None,
     )
     example = corpus.batch(0, args.batch_size, args.seq_len, args.seed)
     step_fn = jd.make_train_step(model, lambda m, b: m.loss(b), tx, mesh, train_config, example_batch=example)

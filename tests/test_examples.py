@@ -48,6 +48,15 @@ def test_train_gpt_undrained_is_identical_and_overlays(train_gpt, drained, tmp_p
     assert (tmp_path / "loss.png").exists()
 
 
+def test_train_gpt_with_muon_updates_whole_matrices(train_gpt, tmp_path, capsys):
+    """--muon: Muon for the matrices, AdamW for the rest; the step picks whole-parameter
+    ownership itself, and the drained run equals the undrained one bit for bit."""
+    losses = train_gpt.main(["--steps", "3", "--muon", "--out", str(tmp_path / "a"), *SMALL])
+    assert "ownership='param'" in capsys.readouterr().out
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert train_gpt.main(["--steps", "3", "--muon", "--no-drain", "--out", str(tmp_path / "b"), *SMALL]) == losses
+
+
 def test_train_gpt_resume(train_gpt, drained, tmp_path):
     _, uninterrupted = drained
     first = train_gpt.main(["--steps", "2", "--checkpoint-every", "2", "--out", str(tmp_path), *SMALL])
