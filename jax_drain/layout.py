@@ -219,7 +219,10 @@ class BucketLayout:
                 distributed optimizer): each bucket is ``owners`` equal slots and each leaf
                 lies whole in one of them, the bucket's leaves spread over the slots largest
                 first, each to the least filled one; a reduce-scatter over ``owners`` devices then
-                delivers whole parameters to their owner. Gaps are zero padding. ``None``: each
+                delivers whole parameters to their owner. Gaps are zero padding, which travels
+                and is stored like the rest, so a bucket also waits to close until its fullest
+                slot holds at most :data:`OWNER_BALANCE` times the mean (a transformer block's
+                few large matrices over 8 devices would pad a bucket 2.7x). ``None``: each
                 device gets a contiguous ``1 / axis_size`` of every bucket.
         """
         bucket_size = check_bucket_size(bucket_size)
@@ -259,7 +262,8 @@ class BucketLayout:
                 take = remaining if not split_leaves or bucket_size is None else min(remaining, bucket_size - held)
                 members.append((i, start, take))
                 start, remaining = start + take, remaining - take
-                if bucket_size is not None and held + take >= bucket_size:
+                if bucket_size is not None and held + take >= bucket_size and (
+                        owners is None or _balanced([m[2] for m in members], owners)):
                     closed.append((dtype, open_buckets.pop(dtype)))
                 if remaining == 0:
                     break
@@ -390,6 +394,24 @@ class BucketLayout:
 
 def _size(leaf: Any) -> int:
     return math.prod(leaf.shape)
+
+
+#: Whole-parameter ownership: a bucket closes once its fullest owner slot holds at most this
+#: many times the mean (largest-first fill), so padding stays below a quarter of the bucket.
+OWNER_BALANCE = 1.25
+
+
+def _fill(sizes: Sequence[int], owners: int) -> list[int]:
+    """Each owner's elements when ``sizes`` are placed largest first, each on the least filled."""
+    fill = [0] * owners
+    for size in sorted(sizes, reverse=True):
+        fill[min(range(owners), key=lambda r: (fill[r], r))] += size
+    return fill
+
+
+def _balanced(sizes: Sequence[int], owners: int) -> bool:
+    fill = _fill(sizes, owners)
+    return max(fill) * owners <= OWNER_BALANCE * sum(fill)
 
 
 def _owned_pieces(members: Sequence[tuple[int, int, int]], owners: int,

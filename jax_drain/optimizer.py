@@ -520,13 +520,19 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
     return None
 
 
-def _updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> list[PyTree]:
-    """Each step's updates of ``tx`` run on the parameter tree ``start`` (eagerly: on arrays this
-    small, dispatching each operation costs less than compiling the steps)."""
+def _updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree], *,
+                     compiled: bool = False) -> list[PyTree]:
+    """Each step's updates of ``tx`` run on the parameter tree ``start``.
+
+    Eagerly by default: on arrays this small, dispatching each operation costs less than
+    compiling the steps, and the operations' executables are cached for the next check.
+    ``compiled``: one compiled update for every step, for transforms with loops (Muon's
+    Newton-Schulz ``fori_loop``), which compile afresh at each eager call."""
+    update = jax.jit(tx.update) if compiled else tx.update
     tree = jax.tree.map(jnp.asarray, start)
     state, steps = tx.init(tree), []
     for g in grads:
-        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, tree)
+        updates, state = update(jax.tree.map(jnp.asarray, g), state, tree)
         tree = optax.apply_updates(tree, updates)
         steps.append(updates)
     return steps

@@ -232,7 +232,7 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
         lambda s: np.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), np.float32), shrunk)
     start, grads = make(1.0), [make(scale) for scale in _CHECK_SCALES]
     try:
-        want = _updates_on_tree(tx, start, grads)
+        want = _updates_on_tree(tx, start, grads, compiled=True)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
@@ -243,15 +243,16 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     owned = OwnedParams.of(tuple((chain, k) for k in range(layout.num_buckets)), shrunk, manual=False)
     rows = lambda tree, r: tuple(jnp.reshape(b, (owners, -1))[r] for b in layout.flatten(  # noqa: E731
         jax.tree.map(jnp.asarray, tree)))
-    # Each owner on its own, eagerly (as the runtime's switch branch for it does): on arrays this
-    # small dispatching each operation costs less than compiling the steps.
+    # Each owner on its own, as the runtime's switch branch for it does. Compiled: the transforms
+    # that need whole parameters loop (Newton-Schulz), and an eager loop compiles at every call.
+    update = jax.jit(tx.update)
     per_owner = [[] for _ in grads]
     try:
         for r in range(owners):
             master = rows(start, r)
             state = tx.init(owned.owned_tree(r, master))
             for step, g in enumerate(grads):
-                updates, state = tx.update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
+                updates, state = update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
                 written = owned.write(r, updates, master)
                 master = tuple(m + u for m, u in zip(master, written))
                 per_owner[step].append(written)

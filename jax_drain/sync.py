@@ -158,8 +158,8 @@ class GradSync(ChainedSync):
             layer-wise distributed optimizer): each bucket's leaves are spread over the devices
             along ``axis`` (:meth:`BucketLayout.build <jax_drain.BucketLayout.build>`'s
             ``owners``), so the same drained reduce-scatter delivers every parameter whole to
-            one device, and an optimizer that needs whole tensors (Muon, Adafactor, LAMB; see
-            :func:`jax_drain.whole_params`) runs there. Not with ``param_specs`` that shard a
+            one device, and an optimizer that needs whole tensors (Muon, Adafactor, LAMB) runs
+            there; :class:`TrainConfig <jax_drain.TrainConfig>` picks it from the optimizer. Not with ``param_specs`` that shard a
             parameter, expert params or ``split_leaves``.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple

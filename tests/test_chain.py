@@ -30,6 +30,8 @@ DENSE = {"a": SDS((33, 20), jnp.float32), "b": SDS((7,), jnp.float32), "c": SDS(
          "d": SDS((3, 5, 7), jnp.float32), "e": SDS((29, 11), jnp.float32)}
 EXPERT = {**DENSE, "experts_b": SDS((4, 9), jnp.float32), "experts_in": SDS((4, 19, 9), jnp.float32),
           "experts_out": SDS((4, 9, 19), jnp.float32), "router": SDS((19, 4), jnp.float32)}
+# Whole-parameter buckets close only once balanced over the owners, so they need many leaves.
+MANY = {f"w{i:02d}": SDS((3 + i % 5, 7), jnp.float32) for i in range(48)}
 SCANNED = {"embed": SDS((13, 11), jnp.float32),
            "blocks": {"w": SDS((3, 11, 11), jnp.float32), "g": SDS((3, 11), jnp.float32), "v": SDS((3, 11, 17), jnp.float32)},
            "head": SDS((11, 5), jnp.float32)}
@@ -102,7 +104,7 @@ def test_dense_chain_links_bucket_k_to_k_minus_depth(reduce, depth, cpu_devices)
 @pytest.mark.parametrize("depth", [1, 2, None])
 def test_whole_parameter_layout_keeps_the_chain(depth, cpu_devices):
     """ownership="param" changes where a bucket's elements lie, not how its buckets are sent."""
-    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100, ownership="param",
+    sync = jd.GradSync(MANY, _mesh((8,), ("data",), cpu_devices), bucket_size=100, ownership="param",
                        drain=depth is not None, max_in_flight=depth)
     (chain,) = sync.chains
     assert chain.num_buckets >= 4 and chain.layout.owners == 8

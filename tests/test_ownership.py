@@ -14,13 +14,17 @@ import jax_drain as jd
 from helpers import assert_within, rounding_bound, rounding_chain
 from jax_drain.layout import BucketLayout
 
-SHAPES = {"w1": (16, 32), "b1": (32,), "w2": (32, 8), "scale": (), "w3": (8, 4), "embed": (40, 16)}
+SHAPES = {"w1": (16, 32), "b1": (32,), "w2": (32, 8), "scale": (), "w3": (8, 4), "embed": (40, 16),
+          # Enough leaves of like sizes that buckets balance over 8 owners at a few hundred elements.
+          **{f"extra/m{i}": (8 + i % 5, 12) for i in range(24)}}
 STEPS = 5
 
 
 def _params(seed: int = 0):
     rng = np.random.default_rng(seed)
-    return {k: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for k, s in SHAPES.items()}
+    flat = {k: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for k, s in SHAPES.items()}
+    return {**{k: v for k, v in flat.items() if "/" not in k},
+            "extra": {k.split("/")[1]: v for k, v in flat.items() if "/" in k}}
 
 
 def _muon_and_adamw():
@@ -114,7 +118,8 @@ def _against_optax(tx, reference_tx, mesh, what: str, **options) -> None:
     chain = rounding_chain(lambda g, s, p: reference_tx.update(g, s, p)[0], params, ref_state, params)
     moves = jax.tree.map(lambda _: 0.0, params)
     for t in range(1, STEPS + 1):
-        grads = {k: jnp.asarray(rng.integers(-512, 512, size=s) / 1024.0, jnp.float32) for k, s in SHAPES.items()}
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.integers(-512, 512, size=x.shape) / 1024.0, jnp.float32),
+                             params)
         got, state = step(jax.tree.map(lambda g: jnp.broadcast_to(g, (8, *g.shape)), grads), state)
         updates, ref_state = update(grads, ref_state, want)
         want = optax.apply_updates(want, updates)
@@ -164,7 +169,8 @@ def test_state_per_device_is_one_owner_share():
 
 def _loss(p, batch):
     h = jnp.tanh(batch["x"] @ p["embed"][:16].T @ p["w1"] + p["b1"]) @ p["w2"] * p["scale"]
-    return jnp.mean((h @ p["w3"] - batch["y"]) ** 2)
+    extra = sum(jnp.sum(jnp.tanh(m[:, :4] * h[:, :1].mean())) for m in p["extra"].values())
+    return jnp.mean((h @ p["w3"] - batch["y"]) ** 2) + 1e-2 * extra
 
 
 def _batches(n: int):
@@ -192,8 +198,8 @@ def test_train_step_chooses_whole_parameters_for_transforms_that_need_them(name,
     fresh = jd.make_train_step(_params(), _loss, tx, mesh, config, example_batch=batches[0])
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
     assert [float(fresh(restored, b)[1].loss) for b in batches[2:3]] == continued
-    if want == "param":  # another layout cannot take the packed per-owner state
-        other = jd.make_train_step(_params(), _loss, tx, mesh, jd.TrainConfig(bucket_size=100),
+    if want == "param":  # another layout (4 owners) cannot take the packed per-owner state
+        other = jd.make_train_step(_params(), _loss, tx, Mesh(np.array(cpu_devices[:4]), ("data",)), config,
                                    example_batch=batches[0])
         with pytest.raises(jd.CheckpointMismatchError, match="whole-parameter ownership"):
             jd.restore_checkpoint(tmp_path / "ckpt", other.abstract_state())
