@@ -401,16 +401,20 @@ def _size(leaf: Any) -> int:
 OWNER_BALANCE = 1.25
 
 
-def _fill(sizes: Sequence[int], owners: int) -> list[int]:
-    """Each owner's elements when ``sizes`` are placed largest first, each on the least filled."""
-    fill = [0] * owners
-    for size in sorted(sizes, reverse=True):
-        fill[min(range(owners), key=lambda r: (fill[r], r))] += size
-    return fill
+def _placement(sizes: Sequence[int], owners: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """``sizes`` placed largest first (stable: ready order among equals), each on the least
+    filled owner (the lowest on a tie): each size's ``(owner, offset in its slot)``, in the
+    order given, and every owner's fill."""
+    fill, at = [0] * owners, [(0, 0)] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        owner = min(range(owners), key=lambda r: (fill[r], r))
+        at[j] = (owner, fill[owner])
+        fill[owner] += sizes[j]
+    return at, fill
 
 
 def _balanced(sizes: Sequence[int], owners: int) -> bool:
-    fill = _fill(sizes, owners)
+    _, fill = _placement(sizes, owners)
     return max(fill) * owners <= OWNER_BALANCE * sum(fill)
 
 
@@ -418,15 +422,11 @@ def _owned_pieces(members: Sequence[tuple[int, int, int]], owners: int,
                   shard_multiple: int) -> tuple[tuple[Piece, ...], int, int]:
     """One bucket's whole leaves spread over ``owners`` equal slots, largest first, each to the
     least filled slot (the lowest on a tie): ``(pieces by offset, used elements, padded size)``."""
-    fill = [0] * owners
-    placed: list[tuple[int, int, int, int]] = []  # (owner, offset in the slot, leaf, size)
-    for i, _, size in sorted(members, key=lambda m: -m[2]):  # stable: ready order among equals
-        owner = min(range(owners), key=lambda r: (fill[r], r))
-        placed.append((owner, fill[owner], i, size))
-        fill[owner] += size
+    at, fill = _placement([size for _, _, size in members], owners)
     step = shard_multiple // math.gcd(shard_multiple, owners)  # so that owners * slot splits evenly
     slot = max(step, -(-max(fill) // step) * step)
-    pieces = sorted((Piece(i, 0, size, owner * slot + at) for owner, at, i, size in placed), key=lambda p: p.offset)
+    pieces = sorted((Piece(i, 0, size, owner * slot + offset) for (i, _, size), (owner, offset) in zip(members, at)),
+                    key=lambda p: p.offset)
     return tuple(pieces), sum(fill), owners * slot
 
 

@@ -159,8 +159,8 @@ class GradSync(ChainedSync):
             along ``axis`` (:meth:`BucketLayout.build <jax_drain.BucketLayout.build>`'s
             ``owners``), so the same drained reduce-scatter delivers every parameter whole to
             one device, and an optimizer that needs whole tensors (Muon, Adafactor, LAMB) runs
-            there; :class:`TrainConfig <jax_drain.TrainConfig>` picks it from the optimizer. Not with ``param_specs`` that shard a
-            parameter, expert params or ``split_leaves``.
+            there; :class:`TrainConfig <jax_drain.TrainConfig>` picks it from the optimizer.
+            Not with ``param_specs`` that shard a parameter, expert params or ``split_leaves``.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
