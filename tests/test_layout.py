@@ -239,3 +239,19 @@ def test_bad_inputs():
         layout.flatten({"w": jnp.ones((4, 4), jnp.bfloat16)})
     with pytest.raises(ValueError, match="pass whole buckets"):
         layout.unflatten([jnp.ones(16)])
+
+
+def test_whole_parameter_buckets_close_only_once_balanced_over_the_owners():
+    """Leaves of random sizes over 8 owners: every bucket but the last remainder has its fullest
+    owner slot within OWNER_BALANCE of the mean, though each reached bucket_size much earlier."""
+    from jax_drain.layout import OWNER_BALANCE
+
+    rng = np.random.default_rng(3)
+    tree = {f"w{i:02d}": jax.ShapeDtypeStruct((int(rng.integers(20, 60)), 7), jnp.float32) for i in range(60)}
+    layout = BucketLayout.build(tree, bucket_size=300, shard_multiple=1, owners=8)
+    assert layout.num_buckets >= 3
+    for bucket in layout.buckets[:-1]:
+        fill = [0] * 8
+        for p in bucket.pieces:
+            fill[p.offset // (bucket.padded_size // 8)] += p.size
+        assert max(fill) * 8 <= OWNER_BALANCE * sum(fill), (bucket.index, fill)
