@@ -78,6 +78,7 @@ from jax_drain.feedback import ErrorFeedback
 from jax_drain.zero3 import ParamShards
 from jax_drain.layout import leaf_paths, path_str
 from jax_drain.optimizer import DistState
+from jax_drain.ownership import pack_on_host, packing_mismatch, unpack_on_host
 
 PyTree = Any
 
@@ -89,7 +90,7 @@ _SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it repl
 _LOCK_FILE = ".jax_drain-saving"  # held (flock) by the process saving into the directory
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
-_SHARD = re.compile(r"^(.*/(?:master|shards))/(\d+)$")
+_SHARD = re.compile(r"^((?:.*/)?(?:master|shards))/(\d+)$")
 
 
 class CheckpointMismatchError(ValueError):
@@ -119,7 +120,8 @@ def state_description(state: PyTree) -> dict[str, Any]:
     """What a checkpoint records about ``state`` besides the arrays (JSON-serialisable).
 
     ``leaves``: ``[key, path, shape, dtype]`` per leaf (``jax.tree.leaves`` order); ``layouts``:
-    per ``DistState``, its path in the state, layout fingerprint and description; ``feedback``:
+    per ``DistState``, its path in the state, layout fingerprint and description (and with
+    whole-parameter ownership the packing of its ``tx`` state); ``feedback``:
     per ``ErrorFeedback``, its path and layout fingerprint; ``params``: per ZeRO-3
     ``ParamShards``, its path, layout fingerprint and description; ``fingerprint``: a hash of
     the leaves and the layouts.
@@ -131,7 +133,8 @@ def state_description(state: PyTree) -> dict[str, Any]:
         [key, path, list(np.shape(x)), str(np.dtype(x.dtype))] for key, path, x in zip(keys, paths, leaves)
     ]
     layouts = [
-        {"path": path, "fingerprint": s.layout.fingerprint, "description": s.layout.description}
+        {"path": path, "fingerprint": s.layout.fingerprint, "description": s.layout.description,
+         **({"packing": s.layout.packing} if s.layout.packing else {})}
         for path, s in _dist_states(state)
     ]
     feedback = [{"path": path, "fingerprint": node.fingerprint} for path, node in _nodes(state, ErrorFeedback)]
@@ -700,6 +703,7 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
     arrays = _read_arrays(directory, step, host, saved)
     by_path = {path: arrays[key] for key, path, *_ in saved["leaves"]}
     by_path.update(_relaid(saved, wanted, by_path))
+    by_path.update(_repacked(saved, wanted, by_path))
     by_path.update(_feedback_restarted(saved, wanted, by_path))
     by_path.update(_params_moved(saved, wanted, by_path))
     state = [
@@ -802,10 +806,68 @@ def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.
     for old, new in zip(saved["layouts"], wanted["layouts"]):
         old_description, new_description = json.loads(old["description"]), json.loads(new["description"])
         for name, paths in targets.items():
-            if name.startswith(new["path"] + "/"):
+            if name.startswith(_below(new["path"])):
                 params = host_to_params(old_description, [arrays[p] for p in sources[name]])
                 out.update(zip(paths, host_from_params(new_description, params, arrays[sources[name][0]].dtype)))
     return out
+
+
+def _repacked(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The target's owner-packed ``tx`` state arrays (by path), moved from the saved owners to
+    the target's through the whole-tree state."""
+    out: dict[str, np.ndarray] = {}
+    for old, new in zip(saved["layouts"], wanted["layouts"]):
+        if "packing" in old and "packing" in new:
+            values = unpack_on_host(json.loads(old["packing"]), [arrays[p] for p in _packed_paths(saved, old)])
+            out.update(zip(_packed_paths(wanted, new), pack_on_host(json.loads(new["packing"]), values)))
+    return out
+
+
+def _packed_paths(description: dict[str, Any], layout: dict[str, Any]) -> list[str]:
+    """The paths of a whole-parameter ownership DistState's packed ``tx`` state arrays, in order."""
+    if "packing" not in layout:
+        return []
+    prefix = _below(layout["path"]) + "inner/"
+    found = {int(path[len(prefix):]): path for _, path, *_ in description["leaves"]
+             if path.startswith(prefix) and path[len(prefix):].isdigit()}
+    return [found[i] for i in sorted(found)]
+
+
+def _owned(layout: dict[str, Any]) -> bool:
+    return any(chain.get("owners") for chain in json.loads(layout["description"]))
+
+
+def _ownership_changed(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """Why the saved DistStates' ``tx`` state is kept in another form than the target's ('' if not)."""
+    for old, new in zip(saved["layouts"], wanted["layouts"]):
+        if _owned(old) != _owned(new):
+            kinds = ["whole parameters per owner (ownership='param')" if _owned(x) else
+                     "flat shards (ownership='element')" for x in (old, new)]
+            return (f"the optimizer state at {old['path'] or '<root>'!r} was saved on {kinds[0]} and the target keeps "
+                    f"it on {kinds[1]}; tx state does not convert between the two: restore with the ownership it was "
+                    "saved with")
+    return ""
+
+
+def _packing_unmovable(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """Why owner-packed ``tx`` state cannot move to the target's owners ('' if it can)."""
+    for old, new in zip(saved["layouts"], wanted["layouts"]):
+        if not _owned(old):
+            continue
+        where = old["path"] or "<root>"
+        if "packing" not in old:
+            return (f"the optimizer state at {where!r} uses whole-parameter ownership and was saved without the "
+                    "packing of its tx state (an earlier version): restore with the mesh, bucket size and ownership "
+                    "it was saved with")
+        reason = packing_mismatch(json.loads(old["packing"]), json.loads(new["packing"]))
+        if reason:
+            return f"the optimizer state at {where!r} uses whole-parameter ownership, and {reason}"
+    return ""
+
+
+def _below(path: str) -> str:
+    """The prefix of the leaf paths below the node at ``path`` (``<root>``: the whole state)."""
+    return "" if path == "<root>" else path + "/"
 
 
 def _param_roots(description: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -854,7 +916,7 @@ def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[st
 
 def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple, str]]:
     """Every error-feedback leaf's path -> (its ErrorFeedback's fingerprint, shape, dtype)."""
-    nodes = [(x["path"] + "/", x["fingerprint"]) for x in description.get("feedback", [])]
+    nodes = [(_below(x["path"]), x["fingerprint"]) for x in description.get("feedback", [])]
     out = {}
     for _, path, shape, dtype in description["leaves"]:
         for prefix, fingerprint in nodes:
@@ -884,7 +946,7 @@ def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], arrays: d
 def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
     """The paths of each DistState shard set (its master shards, each FlatShards node of its tx
     state), in flat (bucket) order."""
-    prefixes = tuple(layout["path"] + "/" for layout in description["layouts"])
+    prefixes = tuple(_below(layout["path"]) for layout in description["layouts"])
     sets: dict[str, dict[int, str]] = {}
     for _, path, *_ in description["leaves"]:
         match = _SHARD.match(path)
@@ -902,6 +964,7 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
     def plain(description: dict[str, Any]) -> dict[str, tuple]:
         shards = {p for paths in _shard_sets(description).values() for p in paths}
         shards |= _feedback_leaves(description).keys()
+        shards |= {p for layout in description["layouts"] for p in _packed_paths(description, layout)}
         shards |= {p for root in roots for p in _under(description, root)}
         return {path: (tuple(shape), dtype) for _, path, shape, dtype in description["leaves"] if path not in shards}
 
@@ -912,20 +975,19 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
     """Only the DistStates' layouts may differ: every other leaf must match path, shape, dtype.
-    A whole-parameter ownership layout's tx state is packed per owner: it moves to no other."""
-    owned = [layout["path"] or "<root>" for side in (saved, wanted) for layout in side["layouts"]
-             if any(chain.get("owners") for chain in json.loads(layout["description"]))]
-    if owned:
-        raise CheckpointMismatchError(
-            f"checkpoint {directory / str(step)} was saved with another bucket layout than the target's, and the "
-            f"optimizer state at {sorted(set(owned))} uses whole-parameter ownership (ownership='param'), whose tx "
-            "state is packed by owner and cannot be re-laid: restore with the mesh, bucket size and ownership it "
-            "was saved with")
+    Owner-packed ``tx`` state moves to other owners only as owner-packed state of the same ``tx``."""
+    moved = f"checkpoint {directory / str(step)} was saved with another bucket layout than the target's: "
+    reason = _ownership_changed(saved, wanted)
+    if reason:
+        raise CheckpointMismatchError(moved + reason)
     if not _same_model(saved, wanted):
         raise CheckpointMismatchError(
             f"checkpoint {directory / str(step)} does not match the target state: "
             f"{_differences(saved, wanted)}. Restore it with the model (and optimizer) it was saved with."
         )
+    reason = _packing_unmovable(saved, wanted)
+    if reason:
+        raise CheckpointMismatchError(moved + reason)
 
 
 def _dist_states(state: PyTree) -> list[tuple[str, DistState]]:

@@ -93,10 +93,13 @@ Mask = PyTree | Callable[[PyTree], PyTree]
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """Where every parameter element sits in a :class:`DistState`'s shards: the sync's
-    :attr:`~jax_drain.chain.ChainedSync.description` (JSON text) and its fingerprint."""
+    :attr:`~jax_drain.chain.ChainedSync.description` (JSON text) and its fingerprint; with
+    whole-parameter ownership, ``packing`` (JSON text) says where each owner's ``tx`` state sits
+    in the packed state arrays."""
 
     fingerprint: str
     description: str
+    packing: str = ""
 
     @classmethod
     def of(cls, sync: ChainedSync) -> "StateLayout":
@@ -658,6 +661,9 @@ class DistributedOptimizer:
         # Whole-parameter ownership: tx runs on each device's own whole parameters.
         self._owned = OwnedParams.of(self._refs, sync.abstract_params) if sync.chains[0].layout.owners else None
         self._packed = None if self._owned is None else self._owned.state_layout(tx)
+        if self._owned is not None:
+            self.layout = dataclasses.replace(
+                self.layout, packing=json.dumps(self._owned.packing(tx, self._packed), sort_keys=True))
         if check_flag(check_tx, "check_tx"):
             (check_transform if self._owned is None else check_per_parameter)(tx, sync.abstract_params)
 

@@ -119,6 +119,38 @@ class OwnedParams:
         return PackedStates.of([jax.eval_shape(lambda m, r=r: tx.init(self.owned_tree(r, m)), shards)
                                 for r in range(self.num_owners)], self.width)
 
+    def packing(self, tx: optax.GradientTransformation, packed: "PackedStates") -> dict[str, Any]:
+        """How every owner's ``tx`` state sits in the packed arrays, as JSON: each state leaf's
+        path, the parameter it belongs to (``None`` for state shared by all, like a step count),
+        its shape and dtype per owner, and each parameter's owner. A checkpoint moves the state to
+        other owners with it (:func:`unpack_on_host`, :func:`pack_on_host`); ``unmovable`` says
+        why it cannot, when ``tx``'s state does not map onto parameters by path."""
+        full = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, self.params))
+        state_keys = [tuple(path) for path, _ in full[0]]
+        param_keys = [tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(self.params)[0]]
+        belongs = [_param_of(key, param_keys) for key in state_keys]
+        owner_of = {p.leaf: r for r, pieces in enumerate(self.pieces) for p in pieces}
+        shapes = [[[list(shape), dtype] for shape, dtype in specs] for _, specs in packed.structures]
+        unmovable = ""
+        for r, (treedef, specs) in enumerate(packed.structures):
+            if treedef != full[1]:
+                unmovable = f"owner {r}'s tx state has another structure than tx.init of the whole tree"
+                break
+            for key, leaf, (shape, _), whole in zip(state_keys, belongs, specs, full[0]):
+                if (leaf is None or owner_of.get(leaf) == r) and tuple(shape) != tuple(whole[1].shape):
+                    what = "shared by all parameters" if leaf is None else f"of parameter {leaf_paths(self.params)[leaf]!r}"
+                    unmovable = (f"tx state leaf {jax.tree_util.keystr(key)!r} (taken as {what}) is {list(shape)} on "
+                                 f"owner {r} but {list(whole[1].shape)} on the whole tree")
+                    break
+            if unmovable:
+                break
+        names = leaf_paths(self.params)
+        return {"owners": self.num_owners, "width": packed.width, "dtypes": list(packed.dtypes),
+                "counts": list(packed.counts), "unmovable": unmovable,
+                "leaves": [[jax.tree_util.keystr(key), None if leaf is None else names[leaf]]
+                           for key, leaf in zip(state_keys, belongs)],
+                "shapes": shapes, "owner_of": {names[leaf]: r for leaf, r in sorted(owner_of.items())}}
+
     def _abstract_shards(self) -> list[jax.ShapeDtypeStruct]:
         sizes: dict[int, int] = {}
         for owner in self.pieces:
@@ -216,6 +248,71 @@ class PackedStates:
             leaves.append(flat[dtype][cursor[dtype]:cursor[dtype] + n].reshape(shape))
             cursor[dtype] += n
         return jax.tree.unflatten(treedef, leaves)
+
+
+def _param_of(key: tuple, param_keys: Sequence[tuple]) -> int | None:
+    """The parameter a state leaf at ``key`` belongs to: the one whose path ends ``key`` (the
+    longest such: optax states hold trees shaped like the parameters), else ``None``."""
+    best = None
+    for i, param in enumerate(param_keys):
+        if param and len(param) <= len(key) and key[len(key) - len(param):] == param:
+            if best is None or len(param) > len(param_keys[best]):
+                best = i
+    return best
+
+
+def unpack_on_host(packing: dict[str, Any], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """The whole-tree ``tx`` state from owner-packed global arrays (each ``[owners * width]``,
+    owner ``r``'s row at ``r * width``): state leaf path -> value, each parameter's state
+    from its owner, shared state from owner 0."""
+    owners, width = packing["owners"], packing["width"]
+    rows = [np.reshape(np.asarray(a), (owners, -1))[:, :width] for a in arrays]
+    out: dict[str, np.ndarray] = {}
+    for r in range(owners):
+        flat, at = {}, 0
+        for dtype, count in zip(packing["dtypes"], packing["counts"]):
+            flat[dtype] = np.concatenate([rows[at + j][r] for j in range(count)])
+            at += count
+        cursor = dict.fromkeys(packing["dtypes"], 0)
+        for (path, param), (shape, dtype) in zip(packing["leaves"], packing["shapes"][r]):
+            n = math.prod(shape)
+            value = flat[dtype][cursor[dtype]:cursor[dtype] + n].reshape(shape)
+            cursor[dtype] += n
+            if (param is None and r == 0) or (param is not None and packing["owner_of"].get(param) == r):
+                out[path] = value
+    return out
+
+
+def pack_on_host(packing: dict[str, Any], values: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Inverse of :func:`unpack_on_host`: the packed global arrays for ``packing``'s owners,
+    each owner's state leaves of parameters it does not own zero (what ``tx`` computes from
+    them is dropped)."""
+    owners, width = packing["owners"], packing["width"]
+    per_owner = []
+    for r in range(owners):
+        arrays = []
+        for dtype, count in zip(packing["dtypes"], packing["counts"]):
+            flat = [np.ravel(values[path]).astype(dtype)
+                    if param is None or packing["owner_of"].get(param) == r else np.zeros(math.prod(shape), dtype)
+                    for (path, param), (shape, kind) in zip(packing["leaves"], packing["shapes"][r]) if kind == dtype]
+            whole = np.concatenate([*flat, np.zeros(count * width - sum(x.size for x in flat), dtype)])
+            arrays.extend(whole.reshape(count, width))
+        per_owner.append(arrays)
+    return [np.concatenate([owner[j] for owner in per_owner]) for j in range(len(per_owner[0]))]
+
+
+def packing_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """Why owner-packed state saved with ``saved`` cannot be packed for ``wanted`` ('' if it can)."""
+    for side, packing in (("saved", saved), ("target", wanted)):
+        if packing["unmovable"]:
+            return f"the {side} layout's tx state cannot be moved to other owners: {packing['unmovable']}"
+    if saved["leaves"] != wanted["leaves"]:
+        return "the tx state has other leaves than the checkpoint's (another optimizer)"
+    shape = lambda p: [tuple(s) for s, _ in p["shapes"][0]]  # noqa: E731 - shared leaves' shapes
+    for (path, param), a, b in zip(saved["leaves"], shape(saved), shape(wanted)):
+        if param is None and a != b:
+            return f"the tx state leaf {path!r} shared by all parameters is {list(a)}, the target's {list(b)}"
+    return ""
 
 
 def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> None:
