@@ -79,7 +79,12 @@ def make_loss(module):
     return loss_fn
 
 
-def tx():
+def tx(name="sgd"):
+    """``train.py``'s SGD with Nesterov momentum, or LARS (layer-wise trust ratios, the large-batch
+    ResNet optimizer), which needs each parameter whole: the step then gives each device whole
+    parameters (``ownership="param"``)."""
+    if name == "lars":
+        return optax.lars(LR, weight_decay=0.0, momentum=MOMENTUM)  # the loss holds the L2 penalty
     return optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
 
 
@@ -101,6 +106,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flax", required=True, help="a flax checkout (holding examples/imagenet/models.py)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tx", choices=["sgd", "lars"], default="sgd")
     args = parser.parse_args(argv)
     models = load_models(args.flax)
     module = models.ResNet18(num_classes=CLASSES, num_filters=FILTERS)
@@ -109,7 +115,7 @@ def main(argv=None):
     loss_fn = make_loss(module)
 
     mesh = jax.make_mesh((8,), ("batch",))
-    step = jd.make_train_step(variables, loss_fn, tx(), mesh, jd.TrainConfig(axis="batch", bucket_size=20_000),
+    step = jd.make_train_step(variables, loss_fn, tx(args.tx), mesh, jd.TrainConfig(axis="batch", bucket_size=20_000),
                               example_batch=data[0], mutable=["batch_stats"])
     state, losses = step.init(), []
     for batch in data[:-1]:
@@ -134,7 +140,7 @@ def main(argv=None):
                                                             jax.tree.leaves(trained["batch_stats"])))
 
     # The same steps on one device, whole batches.
-    grad, opt = one_device_step(loss_fn), tx()
+    grad, opt = one_device_step(loss_fn), tx(args.tx)
     params, stats = variables["params"], variables["batch_stats"]
     opt_state, ref_losses, ref_grads = opt.init(params), [], []
     for batch in data[:-1]:
@@ -149,7 +155,8 @@ def main(argv=None):
     diff = {k: max(jax.tree.leaves(jax.tree.map(rel, trained[k], reference[k]))) for k in reference}
     num_params = sum(x.size for x in jax.tree.leaves(variables["params"]))
     print(f"model: flax examples/imagenet/models.py ResNet18(num_filters={FILTERS}), unchanged; {num_params:,} "
-          f"params, {len(jax.tree.leaves(variables['batch_stats']))} batch_stats arrays; mesh {dict(mesh.shape)}")
+          f"params, {len(jax.tree.leaves(variables['batch_stats']))} batch_stats arrays; mesh {dict(mesh.shape)}; "
+          f"{args.tx} on {step.ownership == 'param' and 'whole parameters per device' or 'flat shards'}")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps (one device: {ref_losses[0]:.4f} -> "
           f"{ref_losses[-1]:.4f})")
     print(f"max relative difference vs one device: params {diff['params']:.2e}, batch_stats {diff['batch_stats']:.2e}")
