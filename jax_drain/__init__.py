@@ -21,7 +21,7 @@ from jax_drain.losses import WeightedLoss
 from jax_drain.optimizer import (
     DistributedOptimizer, DistState, FlatShards, adamw, clip_by_global_norm, global_norm, masked,
 )
-from jax_drain.order import grad_ready_order
+from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.scan import ScanGradSync, ScanShards, stacked_leaves
 from jax_drain.shardings import declared_specs
 from jax_drain.sync import GradSync, Shards, local_params
@@ -61,6 +61,7 @@ __all__ = [
     "make_train_step",
     "masked",
     "reduce_scatter_bucket",
+    "remat_groups",
     "restore_checkpoint",
     "save_checkpoint",
     "save_checkpoint_async",

@@ -351,9 +351,11 @@ def build_chain(
     wire_dtype: Any = None,
     data_major: bool = False,
     owned: bool = False,
+    groups: Sequence[Any] | None = None,
 ) -> BucketChain:
     """A chain over the full-tree ``leaves`` (their local shapes; without the layer axis for a
-    layer chain), in the gradient-ready ``order`` of the full tree filtered to them."""
+    layer chain), in the gradient-ready ``order`` of the full tree filtered to them; ``groups``:
+    a label per full-tree leaf that no bucket crosses (:meth:`BucketLayout.build`)."""
     leaves = tuple(leaves)
     axis_size = math.prod(int(mesh.shape[a]) for a in axes)
     position = {leaf: j for j, leaf in enumerate(leaves)}
@@ -363,7 +365,7 @@ def build_chain(
     layout = BucketLayout.build(
         [jax.ShapeDtypeStruct(s, placements[i].dtype) for s, i in zip(shapes, leaves)],
         bucket_size, shard_multiple=math.lcm(axis_size, 128), order=sub_order, split_leaves=split_leaves,
-        owners=axis_size if owned else None,
+        owners=axis_size if owned else None, groups=None if groups is None else [groups[i] for i in leaves],
     )
     # Slots keep their index into the chain's own list but show the parameter's real path.
     slots = tuple(dataclasses.replace(s, path=placements[leaves[s.index]].path) for s in layout.slots)

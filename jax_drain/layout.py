@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """One flat bucket: its pieces (layout order), the leaves they belong to, used elements and
-    padded size."""
+    padded size; ``group``: its leaves' group label where the layout was built with ``groups``."""
 
     index: int
     dtype: np.dtype
@@ -69,6 +69,7 @@ class Bucket:
     num_elements: int
     padded_size: int
     pieces: tuple[Piece, ...] = ()
+    group: Hashable = None
 
     @property
     def padding(self) -> int:
@@ -201,6 +202,7 @@ class BucketLayout:
         *,
         split_leaves: bool = False,
         owners: int | None = None,
+        groups: Sequence[Hashable] | None = None,
     ) -> "BucketLayout":
         """Lays out the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s).
 
@@ -224,6 +226,9 @@ class BucketLayout:
                 slot holds at most :data:`OWNER_BALANCE` times the mean (a transformer block's
                 few large matrices over 8 devices would pad a bucket 2.7x). ``None``: each
                 device gets a contiguous ``1 / axis_size`` of every bucket.
+            groups: one label per leaf (``jax.tree.leaves`` order), e.g. the remat block that
+                reads it (:func:`~jax_drain.order.remat_groups`): a bucket also closes before a
+                leaf of another group, so no bucket spans two blocks. ``None``: sizes alone.
         """
         bucket_size = check_bucket_size(bucket_size)
         if shard_multiple < 1:
@@ -248,6 +253,8 @@ class BucketLayout:
                     "to synchronise. Split integer/boolean state out of the tree you pass in."
                 )
         order = tuple(reversed(range(len(leaves)))) if order is None else check_order(order, len(leaves))
+        if groups is not None and len(groups) != len(leaves):
+            raise ValueError(f"groups must give one label per leaf ({len(leaves)}), got {len(groups)}")
 
         # One open bucket per dtype (its pieces: leaf, start, size); buckets are numbered when
         # they close, which is dispatch order.
@@ -256,6 +263,8 @@ class BucketLayout:
         for i in order:
             dtype = np.dtype(leaves[i].dtype)
             start, remaining = 0, _size(leaves[i])
+            if groups is not None and open_buckets.get(dtype) and groups[open_buckets[dtype][-1][0]] != groups[i]:
+                closed.append((dtype, open_buckets.pop(dtype)))  # the block ends: its bucket closes
             while True:
                 members = open_buckets.setdefault(dtype, [])
                 held = sum(size for _, _, size in members)
@@ -287,7 +296,8 @@ class BucketLayout:
                 if p.start == 0:
                     slots[p.leaf] = LeafSlot(p.leaf, paths[p.leaf], tuple(leaves[p.leaf].shape), dtype, b, p.offset)
             members_in_order = tuple(dict.fromkeys(i for i, _, _ in members))
-            buckets.append(Bucket(b, dtype, members_in_order, used, padded, tuple(pieces)))
+            group = None if groups is None else groups[members[0][0]]
+            buckets.append(Bucket(b, dtype, members_in_order, used, padded, tuple(pieces), group))
         return cls(treedef, tuple(slots), tuple(buckets), shard_multiple, owners)
 
     @property
@@ -379,9 +389,10 @@ class BucketLayout:
                 whole = p.start == 0 and p.size == slot.size
                 rows.append((str(bucket.index), str(bucket.dtype), str(p.offset), str(p.size),
                              slot.path if whole else f"{slot.path}[{p.start}:{p.start + p.size}]"))
+            group = "" if bucket.group is None else f", group {bucket.group}"
             rows.append(
                 (str(bucket.index), str(bucket.dtype), str(bucket.num_elements), str(bucket.padding),
-                 f"<padding>  (bucket total {bucket.padded_size})")
+                 f"<padding>  (bucket total {bucket.padded_size}{group})")
             )
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         lines = [

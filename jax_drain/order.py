@@ -26,7 +26,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain._jaxpr import call_body, is_literal
+from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body, is_literal
 from jax_drain.mesh import auto_mesh, split_specs
 
 Position = tuple[int, ...]
@@ -59,16 +59,85 @@ def grad_ready_order(
         A permutation of ``range(len(jax.tree.leaves(params)))`` to pass as ``GradSync(order=...)``.
     """
     num_leaves = len(jax.tree.leaves(params))
-    grad = jax.grad(loss_fn, has_aux=has_aux)
-    if mesh is None:
-        closed = jax.make_jaxpr(grad)(params, *example_args)
-        jaxpr, grad_vars = closed.jaxpr, closed.jaxpr.outvars[:num_leaves]
-    else:
-        jaxpr, grad_vars = _traced_in_shard_map(grad, mesh, in_specs, params, example_args, num_leaves, has_aux,
-                                                axis_names)
+    jaxpr, grad_vars = _traced(loss_fn, params, example_args, has_aux, mesh, in_specs, axis_names, grad=True)
     positions = _output_positions(jaxpr)
     ranked = sorted(range(num_leaves), key=lambda i: (positions.get(_var_key(grad_vars[i]), (-1,)), -i))
     return tuple(ranked)
+
+
+def remat_groups(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    has_aux: bool = False,
+    mesh: Mesh | None = None,
+    in_specs: Any = None,
+    axis_names: Any = None,
+) -> tuple[int | None, ...]:
+    """Per leaf of ``params``: the ``jax.checkpoint`` (remat) region of the loss that reads it
+    first, numbered in forward order, or ``None`` for a leaf first read outside every region
+    (an embedding, a final norm). Arguments as for :func:`grad_ready_order`.
+
+    ``GradSync(..., bucket_groups=remat_groups(...))`` closes a bucket wherever the group
+    changes, so no bucket holds two blocks' parameters: each block's buckets are complete when
+    its backward ends, and ZeRO-3 gathers a bucket in one block's rematerialised backward only.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> block = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))
+        >>> def loss(p, x):
+        ...     return jnp.sum(block(p["w2"], block(p["w1"], x @ p["embed"])))
+        >>> p = {"embed": jnp.ones((3, 3)), "w1": jnp.ones((3, 3)), "w2": jnp.ones((3, 3))}
+        >>> remat_groups(loss, p, jnp.ones((2, 3)))
+        (None, 0, 1)
+    """
+    num_leaves = len(jax.tree.leaves(params))
+    jaxpr, _ = _traced(loss_fn, params, example_args, has_aux, mesh, in_specs, axis_names, grad=False)
+    readers = _first_remat_readers(jaxpr, jaxpr.invars[:num_leaves])
+    numbers = {at: k for k, at in enumerate(sorted({r for r in readers if r is not None}))}
+    return tuple(None if r is None else numbers[r] for r in readers)
+
+
+#: Primitives that only change a value's varying-axes type (``jax.lax.pvary``).
+_TYPE_CASTS = frozenset({"pvary", "pbroadcast"})
+
+
+def _first_remat_readers(jaxpr: Any, variables: Any) -> list[Any]:
+    """For each of ``variables``: the position of the first remat equation that reads it
+    (looking through plain calls such as ``jit``), ``None`` if an equation of another kind reads
+    it first."""
+    out: list[Position | None] = [None] * len(variables)
+    todo = {v: i for i, v in enumerate(variables) if not is_literal(v)}
+    done: set[int] = set()
+    for position, eqn in enumerate(jaxpr.eqns):
+        read = [(k, todo[v]) for k, v in enumerate(eqn.invars)
+                if not is_literal(v) and v in todo and todo[v] not in done]
+        if not read:
+            continue
+        if eqn.primitive.name in _TYPE_CASTS:  # the same value, typed as varying over more axes
+            todo.update((out, i) for out, (_, i) in zip(eqn.outvars, read))
+            continue
+        if eqn.primitive.name in REMAT:
+            for _, i in read:
+                out[i] = (position,)
+        elif (body := call_body(eqn, PLAIN_CALLS)) is not None:
+            inner = _first_remat_readers(body[0], [body[0].invars[k] for k, _ in read])
+            for (_, i), reader in zip(read, inner):
+                out[i] = None if reader is None else (position, *reader)
+        done.update(i for _, i in read)
+    return out
+
+
+def _traced(loss_fn: Callable, params: Any, example_args: tuple, has_aux: bool, mesh: Mesh | None,
+            in_specs: Any, axis_names: Any, *, grad: bool) -> tuple[Any, list]:
+    """The jaxpr of ``jax.grad(loss_fn)`` (``grad``) or of ``loss_fn`` (inside ``shard_map``
+    with ``mesh``; its first inputs are the parameter leaves) and its first outputs."""
+    num_leaves = len(jax.tree.leaves(params))
+    fn = jax.grad(loss_fn, has_aux=has_aux) if grad else loss_fn
+    if mesh is None:
+        closed = jax.make_jaxpr(fn)(params, *example_args)
+        return closed.jaxpr, closed.jaxpr.outvars[:num_leaves]
+    return _traced_in_shard_map(fn, mesh, in_specs, params, example_args, num_leaves, has_aux, axis_names)
 
 
 def _traced_in_shard_map(

@@ -51,7 +51,7 @@ Example (MoE on ``("data", "expert")``: experts sharded over ``expert``)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +161,11 @@ class GradSync(ChainedSync):
             one device, and an optimizer that needs whole tensors (Muon, Adafactor, LAMB) runs
             there; :class:`TrainConfig <jax_drain.TrainConfig>` picks it from the optimizer.
             Not with ``param_specs`` that shard a parameter, expert params or ``split_leaves``.
+        bucket_groups: a label per leaf (``jax.tree.leaves`` order) that no bucket crosses: a
+            bucket closes early where the label changes. :func:`jax_drain.remat_groups` labels
+            each leaf with the remat block that reads it, so each block's buckets are complete
+            when its backward ends (less gradient waiting in memory) and ZeRO-3 gathers each
+            bucket in one block only. ``None`` (default): bucket sizes alone decide.
 
     Outputs of :meth:`reduce_scatter` / :meth:`value_and_grad`: without expert params a tuple
     of float32 shards (one per bucket, dispatch order); with them a :class:`Shards`
@@ -188,6 +193,7 @@ class GradSync(ChainedSync):
         wire_dtype: Any = None,
         tensor_parallel: str = "manual",
         ownership: str = "element",
+        bucket_groups: Sequence[Hashable] | None = None,
     ):
         check_mesh(mesh)
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
@@ -221,6 +227,9 @@ class GradSync(ChainedSync):
         self.max_in_flight = drain_depth(drain, max_in_flight)
         self._treedef = jax.tree.structure(params)
         order = None if order is None else check_order(order, len(self.placements))
+        if bucket_groups is not None and len(bucket_groups) != len(self.placements):
+            raise ValueError(f"bucket_groups must give one label per parameter leaf ({len(self.placements)}), "
+                             f"got {len(bucket_groups)}: use jax_drain.remat_groups(loss_fn, params, batch)")
 
         dense = tuple(i for i, pl in enumerate(self.placements) if not pl.expert)
         expert_idx = tuple(i for i, pl in enumerate(self.placements) if pl.expert)
@@ -236,7 +245,8 @@ class GradSync(ChainedSync):
                        "split_leaves=True cuts parameters over buckets: use split_leaves=False"))
         chain = lambda name, scope, leaves, axes: build_chain(
             name, scope, mesh, self.placements, leaves, axes, self.outer_axes, bucket_size=bucket_size, order=order,
-            split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd, owned=owned)
+            split_leaves=self.split_leaves, wire_dtype=wire_dtype, data_major=gspmd, owned=owned,
+            groups=bucket_groups)
         chains = [chain("dense", SCOPE_PREFIX, dense, axes)]
         if expert_idx:
             chains.append(chain("expert", EXPERT_SCOPE, expert_idx, self.expert_axes))

@@ -115,7 +115,7 @@ from jax_drain.optimizer import (
     DistributedOptimizer, DistState, check_transform, depends_on_shapes, layout_mismatch, reduces_within_leaves,
 )
 from jax_drain.ownership import check_per_parameter
-from jax_drain.order import grad_ready_order
+from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.scan import ScanGradSync, stacked_leaves
 from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed
 from jax_drain.sync import GradSync
@@ -148,6 +148,17 @@ class TrainConfig:
             logical axis names of ``nn.with_logical_partitioning`` (or of nnx metadata) to mesh
             axes, as for :func:`flax.linen.logical_to_mesh_axes`.
         bucket_size, reduce, drain, max_in_flight, split_leaves, wire_dtype: passed to the sync.
+        bucket_boundaries: ``"remat"``: no bucket holds parameters of two remat
+            (``jax.checkpoint``) blocks of the loss (:func:`jax_drain.remat_groups`); a bucket
+            closes early at each block's end, so each block's buckets are complete when its
+            backward ends. ``None``: bucket sizes alone. ``"auto"`` (default): ``"remat"``
+            unless ``shard_params``: at one bucket size the drained step's temp memory is lower
+            with it (compile-only 8xH100, ``gpt-blocks``: 432 against 468 MiB at 40M-element
+            buckets, 160 against 198 at 10M), while ZeRO-3, which gathers all of a block's
+            buckets for its rematerialised backward, gains at 10M (288 against 370) but loses
+            at 40M (746 against 590). A loss without remat blocks, a scanned stack's layer
+            buckets and whole-parameter ownership (whose buckets balance over the owners
+            instead) are laid out by size alone.
         ownership: ``"element"``: each device updates a contiguous slice of every bucket (``tx``
             must be element-wise, :class:`~jax_drain.DistributedOptimizer`); ``"param"``: each
             device updates whole parameters (:mod:`jax_drain.ownership`: Muon, Adafactor, LAMB,
@@ -242,8 +253,11 @@ class TrainConfig:
     tensor_parallel: str | None = None
     logical_axis_rules: Any = None
     ownership: str | None = None
+    bucket_boundaries: str | None = "auto"
 
     def __post_init__(self) -> None:
+        if self.bucket_boundaries not in ("auto", "remat", None):
+            raise ValueError(f"bucket_boundaries must be 'auto', 'remat' or None, got {self.bucket_boundaries!r}")
         for name in ("skip_grad_norm_above", "max_grad_norm"):
             limit = getattr(self, name)
             if limit is not None and (isinstance(limit, bool) or not isinstance(
@@ -778,6 +792,14 @@ class TrainStep:
             split_leaves=config.split_leaves, wire_dtype=config.wire_dtype,
         )
         stacked = None if self.ownership == "param" else self._find_stacked(global_micro)
+        groups = None
+        boundaries = config.bucket_boundaries
+        if boundaries == "auto":
+            boundaries = None if config.shard_params else "remat"
+        if stacked is None and self.ownership != "param" and boundaries == "remat":
+            groups = remat_groups(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
+                                  mesh=mesh, in_specs=(self._param_specs, self._batch_spec),
+                                  axis_names=config.data_axes if gspmd else None)
         if stacked is not None:
             sync: ChainedSync = ScanGradSync(self._abstract_params, mesh, stacked=stacked,
                                              param_specs=self._specs,
@@ -785,7 +807,7 @@ class TrainStep:
         else:
             sync = GradSync(self._abstract_params, mesh, param_specs=self._specs, expert=config.expert,
                             expert_axis=config.expert_axis, tensor_parallel=self.tensor_parallel,
-                            ownership=self.ownership, **options)
+                            ownership=self.ownership, bucket_groups=groups, **options)
         if config.error_feedback:
             check_error_feedback(sync)
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight,

@@ -450,13 +450,15 @@ def _shards_to_tree(step, params):
 @pytest.fixture(scope="module")
 def zero3_runs(cpu_devices):
     """The transformer stack trained on (data=4, model=2) with shard_params=True and False: the
-    steps, their final states and losses."""
+    steps, their final states and losses. Both lay buckets out along the remat blocks (ZeRO-1's
+    default; ZeRO-3 asks for it), so they hold the same buckets."""
     mesh = _mesh("data_model", cpu_devices)
     params, batches = _transformer_params(np.random.default_rng(0)), _sequence_batches(1, STEPS)
     runs = {}
     for shard_params in (True, False):
         step = jd.make_train_step(_placed(params, mesh, TSPECS), transformer_loss, _tx(), mesh,
-                                  jd.TrainConfig(bucket_size=100, shard_params=shard_params), example_batch=batches[0])
+                                  jd.TrainConfig(bucket_size=100, shard_params=shard_params, bucket_boundaries="remat"),
+                                  example_batch=batches[0])
         state, losses = step.init(), []
         for batch in batches:
             state, metrics = step(state, batch)

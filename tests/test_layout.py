@@ -255,3 +255,24 @@ def test_whole_parameter_buckets_close_only_once_balanced_over_the_owners():
         for p in bucket.pieces:
             fill[p.offset // (bucket.padded_size // 8)] += p.size
         assert max(fill) * 8 <= OWNER_BALANCE * sum(fill), (bucket.index, fill)
+
+
+def test_groups_close_a_bucket_at_each_block_end():
+    """With ``groups`` no bucket holds two groups' leaves; every bucket but a group's last still
+    reaches ``bucket_size``, and without groups the layout is what it was."""
+    rng = np.random.default_rng(3)
+    sizes = [int(s) for s in rng.integers(50, 400, size=24)]
+    tree = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
+    groups = [i // 6 for i in range(24)]  # four blocks of six leaves, ready in reverse
+    plain = BucketLayout.build(tree, bucket_size=700, shard_multiple=8)
+    grouped = BucketLayout.build(tree, bucket_size=700, shard_multiple=8, groups=groups)
+    one_group = BucketLayout.build(tree, bucket_size=700, shard_multiple=8, groups=[0] * 24)
+    assert [(b.pieces, b.padded_size) for b in one_group.buckets] == [(b.pieces, b.padded_size) for b in plain.buckets]
+    assert any(len({groups[i] for i in b.leaves}) > 1 for b in plain.buckets)  # the case the option is for
+    for b in grouped.buckets:
+        assert {groups[i] for i in b.leaves} == {b.group}
+    closed_early = [b for b in grouped.buckets if b.num_elements < 700]
+    assert len(closed_early) <= 4  # at most each group's last
+    assert "group 3" in grouped.table()
+    with pytest.raises(ValueError, match="one label per leaf"):
+        BucketLayout.build(tree, bucket_size=700, groups=[0])

@@ -65,3 +65,33 @@ def test_flax_gpt_backward_order():
     block_of = [int(p.split("/")[1]) for p in paths if p.startswith("blocks/")]
     assert block_of == sorted(block_of, reverse=True)  # the last block's gradients come first
     assert paths.index("blocks/1/mlp/fc_out/kernel") < paths.index("blocks/1/attn/qkv/kernel")
+
+
+# -- remat_groups: which remat block reads each leaf ---------------------------------------------
+
+
+@pytest.mark.parametrize("jit_layers", [False, True])
+def test_remat_groups_number_the_blocks_in_forward_order(jit_layers):
+    """Each layer's weight in its own remat block, numbered as forward reaches them (not in pytree
+    order); the embedding, read outside every block, has none. Under a ``jit`` around the
+    blocks the groups are read through the call."""
+    params = tied_model_params()
+    tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    loss = lambda p, t: tied_loss(p, t, remat=True)  # noqa: E731
+    if jit_layers:
+        loss = jax.jit(loss)
+    groups = dict(zip(sorted(params), jd.remat_groups(loss, params, tokens)))
+    assert groups == {"embed": None, "z0": 0, "a1": 1, "m2": 2}
+    # Without remat there are no blocks.
+    assert jd.remat_groups(lambda p, t: tied_loss(p, t), params, tokens) == (None,) * 4
+
+
+def test_remat_groups_of_the_flax_gpt_follow_its_blocks():
+    from jax_drain import models
+
+    config = models.preset("tiny-tied")
+    params = models.abstract_params(config)
+    groups = jd.remat_groups(models.make_loss(config), params, models.example_batch(config, 2))
+    for path, group in zip(models.leaf_paths(params), groups):
+        want = int(path.split("/")[1]) if path.startswith("blocks/") else None
+        assert group == want, (path, group)

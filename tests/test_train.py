@@ -333,3 +333,27 @@ def test_scan_layers_needs_a_scanned_loss():
         lazy.init()
     with pytest.raises(ValueError, match="scan_layers must be True, False or None"):
         jd.TrainConfig(scan_layers="auto")
+
+
+def test_buckets_follow_the_remat_blocks_by_default():
+    """A remat model's buckets each hold one block's parameters (or only those outside every
+    block), so each block's buckets are complete when its backward ends; ZeRO-3 keeps the sizes
+    alone unless asked, and an unknown setting is refused."""
+    config = dataclasses.replace(CONFIG, num_layers=3, remat=True)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    batch = _batches(1, config=config)[0]
+    paths = jd.GradSync(nnx.to_pure_dict(nnx.state(model, nnx.Param)), data_mesh()).placements
+
+    def groups(**options):
+        step = jd.make_train_step(model, _loss, optax.adam(1e-3), data_mesh(), jd.TrainConfig(bucket_size=3000, **options),
+                                  example_batch=batch)
+        layout = step.sync.layout
+        return [{paths[i].path.split("/")[1] if paths[i].path.startswith("blocks/") else None for i in b.leaves}
+                for b in layout.buckets]
+
+    by_default = groups()
+    assert all(len(g) == 1 for g in by_default) and set().union(*by_default) == {"0", "1", "2", None}
+    assert any(len(g) > 1 for g in groups(bucket_boundaries=None))  # sizes alone mix blocks here
+    assert any(len(g) > 1 for g in groups(shard_params=True))
+    with pytest.raises(ValueError, match="bucket_boundaries must be"):
+        jd.TrainConfig(bucket_boundaries="layers")

@@ -49,7 +49,7 @@ from jax_drain.collectives import REDUCE_MODES
 from jax_drain.drain import sequenced_map
 from jax_drain.chain import ChainedSync
 from jax_drain.layout import BucketLayout
-from jax_drain.order import grad_ready_order
+from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.planner.schedule import COLLECTIVE_KINDS, Collective, Schedule, parse_schedule
 from jax_drain.planner.targets import gpu_mesh, parse_topology
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
@@ -90,7 +90,9 @@ class Strategy:
     ``split``: the ``+split`` suffix, leaves larger than a bucket split across buckets
     (``GradSync(split_leaves=True)``, where the runtime has that option). ``zero3``: parameters
     sharded like the gradients and gathered bucket by bucket (:mod:`jax_drain.zero3`):
-    ``"zero3+drain"`` (``fp32_accum``), or a ``+zero3`` suffix on any mode.
+    ``"zero3+drain"`` (``fp32_accum``), or a ``+zero3`` suffix on any mode. ``blocks``: the
+    ``+blocks`` suffix, no bucket spanning two remat blocks (``GradSync(bucket_groups=
+    remat_groups(...))``, :class:`TrainConfig <jax_drain.TrainConfig>`'s default).
     """
 
     name: str
@@ -98,6 +100,7 @@ class Strategy:
     max_in_flight: int | None = None  # None: undrained
     split: bool = False
     zero3: bool = False
+    blocks: bool = False
 
     @property
     def is_baseline(self) -> bool:
@@ -112,7 +115,8 @@ class Strategy:
             return cls(name)
         mode, *flags = name.split("+")
         zero3 = mode == "zero3" or "zero3" in flags
-        flags = [f for f in flags if f != "zero3"]
+        blocks = "blocks" in flags
+        flags = [f for f in flags if f not in ("zero3", "blocks")]
         mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
@@ -121,8 +125,9 @@ class Strategy:
             depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth, split, zero3)
-        known = list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3]" for m in REDUCE_MODES] + ["zero3[+drain[K]]"]
+            return cls(name, mode, depth, split, zero3, blocks)
+        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3][+blocks]" for m in REDUCE_MODES]
+                 + ["zero3[+drain[K]][+blocks]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -495,7 +500,7 @@ def _step_devices(compiled: Any) -> int:
 
 def bucket_size_for(
     params: Any, num_buckets: int, axis_size: int = 8, order: Sequence[int] | None = None, *,
-    split_leaves: bool = False,
+    split_leaves: bool = False, groups: Sequence[Any] | None = None,
 ) -> int:
     """The bucket size (elements) whose layout has the bucket count nearest ``num_buckets``.
 
@@ -507,7 +512,7 @@ def bucket_size_for(
     per leaf (per dtype), and a leaf larger than ``total / num_buckets`` fills a bucket by
     itself, so the remaining leaves must make up the other buckets; with few of them, or
     leaves of equal size (whose counts jump from ``L`` to ``L / 2``), the nearest achievable
-    count is returned.
+    count is returned. ``groups``: the layout's (``BucketLayout.build``), counted with them.
 
     Example::
 
@@ -517,7 +522,8 @@ def bucket_size_for(
     """
     if isinstance(num_buckets, bool) or int(num_buckets) < 1:
         raise ValueError(f"num_buckets must be a positive integer, got {num_buckets!r}")
-    count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order).num_buckets
+    count = lambda size: BucketLayout.build(params, size, math.lcm(axis_size, 128), order,  # noqa: E731
+                                            groups=groups).num_buckets
     total = max(1, sum(math.prod(p.shape) for p in jax.tree.leaves(params)))
     if split_leaves:  # buckets of exactly the size: the total over the count, padded up
         multiple = math.lcm(axis_size, 128)
@@ -605,8 +611,9 @@ def build_user_step(
       ``compiler_options``.
     * ``no_comm``: the same buckets, each reduced over its own chunks locally (drained): the
       sync's work minus the wire, the floor a gradient sync can approach.
-    * ``MODE[+drain[K]][+split]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
-      (a mask of scanned leaves, :func:`jax_drain.stacked_leaves`) :class:`ScanGradSync`.
+    * ``MODE[+drain[K]][+split][+blocks]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
+      (a mask of scanned leaves, :func:`jax_drain.stacked_leaves`) :class:`ScanGradSync`
+      (whose layer buckets follow the layers already: ``+blocks`` changes nothing there).
 
     ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) is traced from
     ``loss_fn`` when not given. Raises :class:`StrategyUnavailable` for a ``+split`` strategy
@@ -652,6 +659,8 @@ def build_user_step(
         return step, (params, batch), scan_sync
 
     order = grad_ready_order(loss_fn, params, batch) if order is None else order
+    if strategy.blocks:
+        extra["bucket_groups"] = remat_groups(loss_fn, params, batch)
     sync = GradSync(
         params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
         drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
@@ -915,8 +924,11 @@ def plan_preset(
     mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=target, topology=topology)
     params = models.abstract_params(config)
     if bucket_size is None:
-        order = grad_ready_order(models.make_loss(config), params, models.example_batch(config, mesh.size))
-        bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order, split_leaves=strat.split)
+        loss, example = models.make_loss(config), models.example_batch(config, mesh.size)
+        order = grad_ready_order(loss, params, example)
+        groups = remat_groups(loss, params, example) if strat.blocks else None
+        bucket_size = bucket_size_for(params, num_buckets or 1, mesh.size, order, split_leaves=strat.split,
+                                      groups=groups)
     step, args, sync = build_step(strat, config, mesh, bucket_size=bucket_size, micro_batch=micro_batch)
     options, notes = dict(compiler_options or {}), []
     for name, value in strategy_options(strat, bucket_size * jnp.dtype(config.param_dtype).itemsize).items():
