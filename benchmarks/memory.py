@@ -17,10 +17,12 @@ whether they overlap compute). Strategies:
 
 Parameter sharding (ZeRO-3), where the point is argument memory, not temp:
 
-* ``zero3+drain`` / ``zero3+drain2``: :mod:`jax_drain.zero3` (planner strategy ``zero3``):
+* ``zero3+drain`` / ``zero3+drain2`` / ``zero3+drain+blocks``: :mod:`jax_drain.zero3` (planner strategy ``zero3``):
   each device holds its shard of every parameter bucket, gathered at its first use; gradients
   reduced by the drained ``fp32_accum`` chain, one (two) buckets in flight. Refused on a
-  scanned stack (``StrategyUnavailable``): recorded as an unavailable row.
+  scanned stack (``StrategyUnavailable``): recorded as an unavailable row. ``+blocks``: no bucket
+  spans two remat blocks (``TrainConfig(bucket_boundaries="remat")``), the bucket size chosen for
+  the requested count with the blocks' boundaries counted (``fp32_accum+drain+blocks`` likewise).
 * ``gspmd_fsdp``: params and gradients sharded by annotations, XLA gathers (planner
   ``gspmd_fsdp``), XLA's default flags; ``gspmd_fsdp+best_flags``: the same with the flag set
   that had the lowest temp + arguments in ``benchmarks/fsdp_baseline.py``
@@ -63,11 +65,11 @@ BUCKET_COUNTS = (1, 2, 7, 14, 28, 56)
 STRATEGIES = (
     "gspmd", "gspmd+flags", "no_comm",
     "bf16", "bf16+drain", "fp32", "fp32+drain", "fp32_accum", "fp32_accum+drain",
-    "fp32_accum_streamed", "fp32_accum_streamed+drain",
+    "fp32_accum_streamed", "fp32_accum_streamed+drain", "fp32_accum+drain+blocks",
 )
 DEPTH_STRATEGIES = ("fp32_accum+drain2", "fp32_accum+drain4")
 DEPTH_COUNTS = (14, 28)  # bucket counts of DEPTH_STRATEGIES (zero3+drainK runs at every count)
-ZERO3_STRATEGIES = ("zero3+drain", "zero3+drain2")
+ZERO3_STRATEGIES = ("zero3+drain", "zero3+drain2", "zero3+drain+blocks")
 FSDP_STRATEGIES = ("gspmd_fsdp", "gspmd_fsdp+best_flags")
 #: The parameter-sharding table's rows: replicated params (jax_drain's ZeRO-2), ZeRO-3, XLA's FSDP.
 SHARDING_STRATEGIES = ("fp32_accum+drain",) + ZERO3_STRATEGIES + FSDP_STRATEGIES
@@ -194,6 +196,9 @@ def sharding_markdown(rows: list[dict]) -> str:
            "all-gathered at its first use (inside each remat block: gathered again in the backward), "
            "gradients through the drained fp32_accum chain, one / two buckets in flight (`drain2` compiled "
            "with `xla_gpu_experimental_parallel_collective_overlap_limit=2`).",
+           "* `zero3+drain+blocks`: `zero3+drain` with no bucket spanning two remat blocks "
+           "(`TrainConfig(bucket_boundaries=\"remat\")`), the bucket size chosen for the requested count with "
+           "the blocks' boundaries counted.",
            "* `gspmd_fsdp`: params and gradients sharded by annotations (`fsdp_spec`, `d_model`), XLA "
            "inserts the gathers and reduce-scatters; XLA's default flags.",
            "* `gspmd_fsdp+best_flags`: the same with the flag set of `benchmarks/fsdp_baseline.py` with the "
@@ -280,9 +285,10 @@ def sharding_targets(rows: list[dict]) -> list[str]:
                            else f"MISSED by {mib(mine - theirs)} MiB (+{(mine / theirs - 1) * 100:.0f}%)")
                 lines.append(f"    temp+args zero3+drain {mib(mine)} MiB vs {s} {mib(theirs)} MiB = "
                              f"{mine / theirs:.2f} (target <= 1): {verdict}")
-            z2 = pick("zero3+drain2", c)
-            if z2 and not _unavailable(z2):
-                lines.append(f"    (zero3+drain2: temp+args {mib(ta(z2))} MiB)")
+            for other in ("zero3+drain2", "zero3+drain+blocks"):
+                z = pick(other, c)
+                if z and not _unavailable(z):
+                    lines.append(f"    ({other}: temp+args {mib(ta(z))} MiB, {z['num_buckets']} buckets)")
     return lines if len(lines) > 1 else []
 
 
@@ -385,6 +391,7 @@ def plot_sharding(rows: list[dict], presets: list[str], axes) -> None:
     styles = {"fp32_accum+drain": dict(color="tab:blue", ls="-", marker="o"),
               "zero3+drain": dict(color="tab:red", ls="-", marker="s"),
               "zero3+drain2": dict(color="tab:orange", ls="-", marker="^"),
+              "zero3+drain+blocks": dict(color="tab:purple", ls="--", marker="s"),
               "gspmd_fsdp": dict(color="black", ls=":"),
               "gspmd_fsdp+best_flags": dict(color="tab:green", ls="-.")}
     for ax, preset in zip(axes, presets):

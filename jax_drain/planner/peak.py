@@ -35,6 +35,7 @@ from jax_drain.planner.schedule import Instruction, parse_schedule
 
 __all__ = ["KINDS", "PeakBuffer", "PeakContents", "parse_peak", "peak_contents"]
 
+#: The kinds a buffer at the peak is sorted into (see the module docstring).
 KINDS = ("argument", "output", "sync", "gather", "backward", "forward", "other")
 
 _PEAK_RE = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
