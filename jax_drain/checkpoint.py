@@ -843,7 +843,7 @@ def _ownership_changed(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
         if _owned(old) != _owned(new):
             kinds = ["whole parameters per owner (ownership='param')" if _owned(x) else
                      "flat shards (ownership='element')" for x in (old, new)]
-            return (f"the optimizer state at {old['path'] or '<root>'!r} was saved on {kinds[0]} and the target keeps "
+            return (f"the optimizer state at {old['path']!r} was saved on {kinds[0]} and the target keeps "
                     f"it on {kinds[1]}; tx state does not convert between the two: restore with the ownership it was "
                     "saved with")
     return ""
@@ -854,7 +854,7 @@ def _packing_unmovable(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
     for old, new in zip(saved["layouts"], wanted["layouts"]):
         if not _owned(old):
             continue
-        where = old["path"] or "<root>"
+        where = old["path"]
         if "packing" not in old:
             return (f"the optimizer state at {where!r} uses whole-parameter ownership and was saved without the "
                     "packing of its tx state (an earlier version): restore with the mesh, bucket size and ownership "
