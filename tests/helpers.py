@@ -550,3 +550,20 @@ def run_reduce_scatter(sync: jd.GradSync, stacked_grads, mesh: Mesh) -> list[np.
         jd._compat.shard_map(step, mesh=mesh, in_specs=P(sync.axis), out_specs=P(sync.axis))
     )
     return [np.asarray(s) for s in fn(stacked_grads)]
+
+
+def remat_block_stack(layers: int, d: int, tokens: int):
+    """``(params, batch, loss)`` of a bf16 stack of ``layers`` remat MLP blocks of width ``d``
+    (abstract, ``tokens`` rows in the batch): the compile-only GPU tests' model, large enough
+    for XLA to schedule it like a real one."""
+    params = {f"layer{i}": {"w1": jax.ShapeDtypeStruct((d, 4 * d), jnp.bfloat16),
+                            "w2": jax.ShapeDtypeStruct((4 * d, d), jnp.bfloat16)} for i in range(layers)}
+
+    def loss(p, x):
+        block = jax.checkpoint(lambda h, q: h + jnp.tanh(h @ q["w1"]) @ q["w2"])
+        h = x
+        for i in range(layers):
+            h = block(h, p[f"layer{i}"])
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return params, jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), loss

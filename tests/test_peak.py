@@ -3,11 +3,11 @@ dump, and on XLA's GPU compiler the drain's claim read from XLA's own liveness: 
 peak holds one bucket's collective scratch; undrained, every bucket's."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_drain as jd
+from helpers import remat_block_stack
 from jax_drain import _compat
 from jax_drain.planner.peak import parse_peak
 from jax_drain.planner.schedule import parse_schedule
@@ -71,18 +71,8 @@ def test_each_buffer_at_the_peak_gets_its_kind_from_its_instruction():
 
 # -- on XLA's GPU compiler ------------------------------------------------------------------------
 
-LAYERS, D, N = 6, 512, 8
-PARAMS = {f"layer{i}": {"w1": jax.ShapeDtypeStruct((D, 4 * D), jnp.bfloat16),
-                        "w2": jax.ShapeDtypeStruct((4 * D, D), jnp.bfloat16)} for i in range(LAYERS)}
-BATCH = jax.ShapeDtypeStruct((N * 256, D), jnp.bfloat16)
-
-
-def _loss(p, x):
-    block = jax.checkpoint(lambda h, q: h + jnp.tanh(h @ q["w1"]) @ q["w2"])
-    h = x
-    for i in range(LAYERS):
-        h = block(h, p[f"layer{i}"])
-    return jnp.mean(h.astype(jnp.float32) ** 2)
+D, N = 512, 8
+PARAMS, BATCH, _loss = remat_block_stack(6, D, N * 256)
 
 
 @pytest.mark.gpu_compile

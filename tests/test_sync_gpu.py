@@ -6,12 +6,12 @@ collectives and schedules differently).
 
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_drain as jd
 from jax_drain import _compat
+from helpers import remat_block_stack
 from jax_drain.collectives import STREAM_DEPTH
 from jax_drain.planner.schedule import parse_schedule
 from jax_drain.planner.targets import gpu_mesh
@@ -19,22 +19,10 @@ from jax_drain.planner.targets import gpu_mesh
 pytestmark = pytest.mark.gpu_compile  # skips without the CUDA PJRT plugin (tests/conftest.py)
 
 LAYERS, D, N = 6, 512, 8
-PARAMS = {
-    f"layer{i}": {"w1": jax.ShapeDtypeStruct((D, 4 * D), jnp.bfloat16), "w2": jax.ShapeDtypeStruct((4 * D, D), jnp.bfloat16)}
-    for i in range(LAYERS)
-}
-BATCH = jax.ShapeDtypeStruct((N * 256, D), jnp.bfloat16)
+PARAMS, BATCH, _loss = remat_block_stack(LAYERS, D, N * 256)
 # Lets XLA keep more than one async collective in flight (its default is one), so that a
 # drain depth above one is visible in the schedule.
 OVERLAP_4 = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
-
-
-def _loss(p, x):
-    block = jax.checkpoint(lambda h, q: h + jnp.tanh(h @ q["w1"]) @ q["w2"])
-    h = x
-    for i in range(LAYERS):
-        h = block(h, p[f"layer{i}"])
-    return jnp.mean(h.astype(jnp.float32) ** 2)
 
 
 @pytest.fixture(scope="module")
