@@ -225,6 +225,69 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
     return out
 
 
+def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int = 2048, h: int = 4096) -> dict:
+    """This process's peak host memory while it saves and restores a ZeRO-3 train state (an MLP
+    of ``2 d h`` float32 parameters, Adam) spanning the processes, beyond what it held before
+    (``VmHWM`` after the call less ``VmRSS`` before it, the high-water mark reset with
+    ``/proc/self/clear_refs``): a save, a restore onto the same layout, and one onto another
+    bucket size (re-laid through whole per-parameter arrays). ``mem/*`` results, bytes, with
+    ``mem/held``: the bytes of the state's shards this process holds. On CPU devices the
+    restored state's own arrays are host memory too, so a restore costs at least ``held``."""
+    import jax
+    import optax
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    mesh = Mesh(np.array(sorted_devices(devices)), ("data",))
+    rng = np.random.default_rng(2)
+    host = {"w1": (rng.normal(size=(d, h)) / d**0.5).astype(np.float32), "b1": np.zeros((h,), np.float32),
+            "w2": (rng.normal(size=(h, d)) / h**0.5).astype(np.float32)}
+    batch = rng.normal(size=(len(devices) * 2, d)).astype(np.float32)
+
+    def step_of(bucket_size: int) -> Any:
+        return jd.make_train_step(host, _mlp_loss, optax.adam(1e-3), mesh, jd.TrainConfig(
+            bucket_size=bucket_size, shard_params=True, donate=False), example_batch=batch)
+
+    step = step_of(d * h // 2)
+    state, _ = step(step.init(), batch)
+    out = {"mem/held": np.array(sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards))}
+    target, other = step.abstract_state(), step_of(d * h // 3).abstract_state()
+    # Once before measuring: the first save and restore also start orbax's and tensorstore's pools.
+    jd.save_checkpoint(Path(directory) / "warm_up", state)
+    jd.restore_checkpoint(Path(directory) / "warm_up", target)
+    where = Path(directory) / "host_memory"
+    out["mem/save"] = np.array(_extra_peak(lambda: jd.save_checkpoint(where, state)))
+    out["mem/restore"] = np.array(_extra_peak(lambda: jd.restore_checkpoint(where, target)))
+    out["mem/relayout"] = np.array(_extra_peak(lambda: jd.restore_checkpoint(where, other)))
+    return out
+
+
+def _extra_peak(call: Any) -> int:
+    """Bytes of host memory ``call()`` used at its peak beyond what the process held before."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap memory back to the OS: RSS is what is held
+    before = _proc_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+        f.write("5")
+    result = call()
+    peak = _proc_status("VmHWM")
+    del result
+    gc.collect()
+    return max(0, peak - before)
+
+
+def _proc_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batch: np.ndarray) -> dict[str, np.ndarray]:
     """In the run that saved them: the ZeRO-3 checkpoint restored into a ZeRO-1 step with
     another bucket size (re-laid through per-parameter arrays), its master weights; then a byte
@@ -329,6 +392,7 @@ def launch_local(
     crash: Sequence[int] = (),
     checkpoint: str | os.PathLike | None = None,
     die_while_saving: bool = False,
+    host_memory: str | os.PathLike | None = None,
 ) -> list[str]:
     """Runs ``num_processes`` CPU workers on localhost (gloo collectives) and waits for them.
 
@@ -337,7 +401,8 @@ def launch_local(
     wait for it in a collective forever), or when ``timeout`` seconds pass; the message holds
     the failing process's stderr tail. ``crash``: process ids told to exit at start (to test
     exactly that). ``checkpoint``: a directory for :func:`run_checkpoint` (``--checkpoint``;
-    ``die_while_saving``: its last process exits during an async save).
+    ``die_while_saving``: its last process exits during an async save). ``host_memory``: a
+    directory for :func:`run_host_memory` (``--host-memory``), run instead of the others.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -354,6 +419,8 @@ def launch_local(
             cmd.append("--crash")
         if checkpoint is not None:
             cmd += ["--checkpoint", str(checkpoint)] + (["--die-while-saving"] if die_while_saving else [])
+        if host_memory is not None:
+            cmd += ["--host-memory", str(host_memory)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log_out, stderr=log_err, cwd=root))
 
     def tail(i: int) -> str:
@@ -458,6 +525,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"with --compare: 0 means bit for bit (losses to {LOSS_RTOL}); e.g. 1e-5 for GPU vs CPU")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="also save and restore train states spanning the processes into DIR (run_checkpoint)")
+    p.add_argument("--host-memory", metavar="DIR",
+                   help="instead: measure this process's peak host memory of a save, a restore and a re-layout "
+                        "of a ZeRO-3 state in DIR (run_host_memory)")
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--crash-after-join", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--die-while-saving", action="store_true", help=argparse.SUPPRESS)
@@ -477,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.launch:
         launch_local(args.launch, args.devices_per_process, args.out, args.timeout or LAUNCH_TIMEOUT_S,
-                     checkpoint=args.checkpoint)
+                     checkpoint=args.checkpoint, host_memory=args.host_memory)
         print(f"{args.launch} processes finished; results in {args.out}")
         return 0
     if args.crash:
@@ -529,8 +599,11 @@ def _run_and_save(args: argparse.Namespace) -> None:
     import jax
 
     start = time.perf_counter()
-    results = run(jax.devices(), steps=args.steps)
-    if args.checkpoint:
+    if args.host_memory:
+        results = run_host_memory(jax.devices(), args.host_memory)
+    else:
+        results = run(jax.devices(), steps=args.steps)
+    if args.checkpoint and not args.host_memory:
         results.update(run_checkpoint(jax.devices(), args.checkpoint, die_while_saving=args.die_while_saving))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     np.savez(Path(args.out) / f"process{jax.process_index()}.npz", **results)
