@@ -355,5 +355,8 @@ def test_buckets_follow_the_remat_blocks_by_default():
     assert all(len(g) == 1 for g in by_default) and set().union(*by_default) == {"0", "1", "2", None}
     assert any(len(g) > 1 for g in groups(bucket_boundaries=None))  # sizes alone mix blocks here
     assert any(len(g) > 1 for g in groups(shard_params=True))
+    # Asked for, it is used with ZeRO-3 and with whole-parameter ownership too.
+    assert all(len(g) == 1 for g in groups(shard_params=True, bucket_boundaries="remat"))
+    assert all(len(g) == 1 for g in groups(ownership="param", bucket_boundaries="remat"))
     with pytest.raises(ValueError, match="bucket_boundaries must be"):
         jd.TrainConfig(bucket_boundaries="layers")
