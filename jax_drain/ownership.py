@@ -223,31 +223,41 @@ class PackedStates:
 
     def pack(self, r: int, state: PyTree, like: jax.Array) -> tuple[jax.Array, ...]:
         """Owner ``r``'s state as the packed arrays (shaped and typed like ``like``'s last axis)."""
-        leaves = jax.tree.leaves(state)
-        width = like.shape[-1]  # >= self.width: each owner's state fits in counts arrays of it
-        out = []
-        for dtype, count in zip(self.dtypes, self.counts):
-            flat = [jnp.ravel(x).astype(dtype) for x in leaves if np.dtype(x.dtype).name == dtype]
-            used = sum(x.size for x in flat)
-            flat.append(jnp.zeros((count * width - used,), dtype))
-            whole = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-            out.extend(jnp.reshape(whole, (count, width))[j] for j in range(count))
-        return tuple(out)
+        # like's width >= self.width: each owner's state fits in counts arrays of it.
+        return tuple(_pack(jax.tree.leaves(state), self.dtypes, self.counts, like.shape[-1], jnp))
 
     def unpack(self, r: int, arrays: Sequence[jax.Array]) -> PyTree:
         """Owner ``r``'s state from the packed arrays."""
         treedef, specs = self.structures[r]
-        flat, at = {}, 0
-        for dtype, count in zip(self.dtypes, self.counts):
-            flat[dtype] = jnp.concatenate(arrays[at:at + count]) if count > 1 else arrays[at]
-            at += count
-        cursor = {d: 0 for d in self.dtypes}
-        leaves = []
-        for shape, dtype in specs:
-            n = math.prod(shape)
-            leaves.append(flat[dtype][cursor[dtype]:cursor[dtype] + n].reshape(shape))
-            cursor[dtype] += n
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, _unpack(arrays, specs, self.dtypes, self.counts, jnp))
+
+
+def _pack(leaves: Sequence[Any], dtypes: Sequence[str], counts: Sequence[int], width: int, xp: Any) -> list:
+    """``leaves`` raveled and concatenated per dtype, zero-padded to ``count`` rows of ``width``:
+    the rows, dtype by dtype (``xp``: ``jax.numpy`` on devices, ``numpy`` on the host)."""
+    rows = []
+    for dtype, count in zip(dtypes, counts):
+        flat = [xp.ravel(x).astype(dtype) for x in leaves if np.dtype(x.dtype).name == dtype]
+        flat.append(xp.zeros((count * width - sum(x.size for x in flat),), dtype))
+        whole = xp.concatenate(flat) if len(flat) > 1 else flat[0]
+        rows.extend(xp.reshape(whole, (count, width))[j] for j in range(count))
+    return rows
+
+
+def _unpack(rows: Sequence[Any], specs: Sequence[tuple[Sequence[int], str]], dtypes: Sequence[str],
+            counts: Sequence[int], xp: Any) -> list:
+    """Inverse of :func:`_pack`: the leaves of ``specs`` (shape, dtype) from the rows."""
+    flat, at = {}, 0
+    for dtype, count in zip(dtypes, counts):
+        flat[dtype] = xp.concatenate(list(rows[at:at + count])) if count > 1 else rows[at]
+        at += count
+    cursor = dict.fromkeys(dtypes, 0)
+    leaves = []
+    for shape, dtype in specs:
+        n = math.prod(shape)
+        leaves.append(flat[dtype][cursor[dtype]:cursor[dtype] + n].reshape(tuple(shape)))
+        cursor[dtype] += n
+    return leaves
 
 
 def _param_of(key: tuple, param_keys: Sequence[tuple]) -> int | None:
@@ -269,15 +279,8 @@ def unpack_on_host(packing: dict[str, Any], arrays: Sequence[np.ndarray]) -> dic
     rows = [np.reshape(np.asarray(a), (owners, -1))[:, :width] for a in arrays]
     out: dict[str, np.ndarray] = {}
     for r in range(owners):
-        flat, at = {}, 0
-        for dtype, count in zip(packing["dtypes"], packing["counts"]):
-            flat[dtype] = np.concatenate([rows[at + j][r] for j in range(count)])
-            at += count
-        cursor = dict.fromkeys(packing["dtypes"], 0)
-        for (path, param), (shape, dtype) in zip(packing["leaves"], packing["shapes"][r]):
-            n = math.prod(shape)
-            value = flat[dtype][cursor[dtype]:cursor[dtype] + n].reshape(shape)
-            cursor[dtype] += n
+        leaves = _unpack([row[r] for row in rows], packing["shapes"][r], packing["dtypes"], packing["counts"], np)
+        for (path, param), value in zip(packing["leaves"], leaves):
             if (param is None and r == 0) or (param is not None and packing["owner_of"].get(param) == r):
                 out[path] = value
     return out
@@ -287,17 +290,11 @@ def pack_on_host(packing: dict[str, Any], values: dict[str, np.ndarray]) -> list
     """Inverse of :func:`unpack_on_host`: the packed global arrays for ``packing``'s owners,
     each owner's state leaves of parameters it does not own zero (what ``tx`` computes from
     them is dropped)."""
-    owners, width = packing["owners"], packing["width"]
     per_owner = []
-    for r in range(owners):
-        arrays = []
-        for dtype, count in zip(packing["dtypes"], packing["counts"]):
-            flat = [np.ravel(values[path]).astype(dtype)
-                    if param is None or packing["owner_of"].get(param) == r else np.zeros(math.prod(shape), dtype)
-                    for (path, param), (shape, kind) in zip(packing["leaves"], packing["shapes"][r]) if kind == dtype]
-            whole = np.concatenate([*flat, np.zeros(count * width - sum(x.size for x in flat), dtype)])
-            arrays.extend(whole.reshape(count, width))
-        per_owner.append(arrays)
+    for r in range(packing["owners"]):
+        leaves = [values[path] if param is None or packing["owner_of"].get(param) == r else np.zeros(shape, dtype)
+                  for (path, param), (shape, dtype) in zip(packing["leaves"], packing["shapes"][r])]
+        per_owner.append(_pack(leaves, packing["dtypes"], packing["counts"], packing["width"], np))
     return [np.concatenate([owner[j] for owner in per_owner]) for j in range(len(per_owner[0]))]
 
 
