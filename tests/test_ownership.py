@@ -113,37 +113,59 @@ def _owned_step(tx, mesh, **options):
     return opt, step
 
 
+class _OneDeviceOptax:
+    """``tx`` on one device fed the same exact gradients (dyadic values, whose device and
+    micro-batch means are exact): what remains is ``tx``'s own arithmetic, compiled in another
+    program than the reference's, so the parameters after each step agree to the rounding of the
+    longest chain of the reference's ``update``'s operations over the steps so far."""
+
+    def __init__(self, tx, params):
+        self.params, self.want, self.state = params, params, tx.init(params)
+        self.update, self.t = jax.jit(tx.update), 0
+        self.chain = rounding_chain(lambda g, s, p: tx.update(g, s, p)[0], params, self.state, params)
+        self.moves = jax.tree.map(lambda _: 0.0, params)
+
+    def check(self, grads, got, what: str) -> None:
+        """One reference step on ``grads``; ``got`` (the parameters after it) must keep to it."""
+        self.t += 1
+        updates, self.state = self.update(grads, self.state, self.want)
+        self.want = optax.apply_updates(self.want, updates)
+        self.moves = jax.tree.map(lambda m, u: max(m, float(np.max(np.abs(np.asarray(u)), initial=0.0))),
+                                  self.moves, updates)
+        # Each element's update: t steps of tx's chain of roundings, at the largest update so far.
+        bound = jax.tree.map(lambda m, w: rounding_bound(self.t * self.chain, m)
+                             + rounding_bound(self.t, np.abs(np.asarray(w))), self.moves, self.want)
+        assert_within(got, self.want, bound, what=f"{what}, step {self.t}")
+
+    def check_trained(self) -> None:
+        moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), self.want,
+                             self.params)
+        assert all(m > 1e-4 for m in jax.tree.leaves(moved)), moved  # it trained every leaf
+
+
+def _dyadic(rng, params):
+    return jax.tree.map(lambda x: jnp.asarray(rng.integers(-512, 512, size=x.shape) / 1024.0, jnp.float32), params)
+
+
 def _against_optax(tx, reference_tx, mesh, what: str, *, move_to: Mesh | None = None, directory=None,
                    **options) -> None:
-    """Every device sends the same gradient, whose mean is then exact (dyadic values): what
-    remains is ``tx``'s own arithmetic, compiled in another program than the reference's, so the
-    parameters after each step agree to the rounding of the longest chain of the reference's
-    ``update``'s operations over the steps so far. With ``move_to`` the state is saved after
-    step 2 and restored onto that mesh's owners (through ``directory``) for the other steps."""
+    """Every device sends the same gradient (:class:`_OneDeviceOptax`). With ``move_to`` the
+    state is saved after step 2 and restored onto that mesh's owners (through ``directory``) for
+    the other steps."""
     params = _params()
     opt, step = _owned_step(tx, mesh, **options)
     state = opt.init_sharded(params)
     rng = np.random.default_rng(1)
-    want, ref_state, update = params, reference_tx.init(params), jax.jit(reference_tx.update)
-    chain = rounding_chain(lambda g, s, p: reference_tx.update(g, s, p)[0], params, ref_state, params)
-    moves = jax.tree.map(lambda _: 0.0, params)
+    reference = _OneDeviceOptax(reference_tx, params)
     for t in range(1, STEPS + 1):
-        grads = jax.tree.map(lambda x: jnp.asarray(rng.integers(-512, 512, size=x.shape) / 1024.0, jnp.float32),
-                             params)
+        grads = _dyadic(rng, params)
         if move_to is not None and t == 3:
             jd.save_checkpoint(directory, state, step=2)
             opt, step = _owned_step(tx, move_to, **options)
             state, _ = jd.restore_checkpoint(directory, opt.abstract_state())
         got, state = step(jax.tree.map(lambda g: jnp.broadcast_to(g, (8, *g.shape)), grads), state)
-        updates, ref_state = update(grads, ref_state, want)
-        want = optax.apply_updates(want, updates)
-        moves = jax.tree.map(lambda m, u: max(m, float(np.max(np.abs(np.asarray(u)), initial=0.0))), moves, updates)
-        # Each element's update: t steps of tx's chain of roundings, at the largest update so far.
-        bound = jax.tree.map(lambda m, w: rounding_bound(t * chain, m) + rounding_bound(t, np.abs(np.asarray(w))),
-                             moves, want)
-        assert_within(got, want, bound, what=f"{what}, step {t}")
-    moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), want, params)
-    assert all(m > 1e-4 for m in jax.tree.leaves(moved)), moved  # it trained every leaf
+        reference.check(grads, got, what)
+    reference.check_trained()
 
 
 @pytest.mark.parametrize("mesh_kind", ["data", "replica_data"])
@@ -162,6 +184,37 @@ def test_checkpoint_moves_owner_state_to_other_owners(name, cpu_devices, tmp_pat
     tx = TRANSFORMS[name]()
     _against_optax(tx, tx, _mesh("data", cpu_devices), f"{name} moved from 8 to 4 owners",
                    move_to=_mesh("replica_data", cpu_devices), directory=tmp_path / "ckpt")
+
+
+def test_micro_batches_with_whole_parameters_equal_optax_on_one_device(cpu_devices):
+    """The train step with 2 micro-batches per device and Muon + AdamW per owner. The loss is
+    linear in the parameters, each example weighting three fixed directions by its own dyadic
+    weights, so the gradient (the mean over 16 examples of 8 devices x 2 micro-batches) is
+    exact, and a micro-batch left out or counted twice turns it, which the scale-free updates
+    of Muon and Adam would not hide."""
+    params = _params()
+    directions = [_dyadic(np.random.default_rng(4 + k), params) for k in range(3)]
+
+    def along(p, d):
+        return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(d)))
+
+    def loss(p, batch):
+        return sum(jnp.mean(batch["w"][:, k]) * along(p, d) for k, d in enumerate(directions))
+
+    rng = np.random.default_rng(7)
+    batches = [{"w": (rng.integers(-15, 16, size=(16, 3)) / 8.0).astype(np.float32)} for _ in range(STEPS)]
+    tx = TRANSFORMS["muon+adamw"]()
+    step = jd.make_train_step(params, loss, tx, Mesh(np.array(cpu_devices), ("data",)),
+                              jd.TrainConfig(bucket_size=500, microbatches=2), example_batch=batches[0])
+    assert step.ownership == "param"
+    state, reference = step.init(params), _OneDeviceOptax(tx, params)
+    for batch in batches:
+        state, _ = step(state, batch)
+        means = batch["w"].astype(np.float64).mean(axis=0)
+        grads = jax.tree.map(lambda *d: jnp.asarray(sum(m * np.asarray(x, np.float64) for m, x in zip(means, d)),
+                                                    jnp.float32), *directions)
+        reference.check(grads, step.master_params(state), "muon+adamw, 2 micro-batches")
+    reference.check_trained()
 
 
 def test_max_grad_norm_clips_over_every_owner(cpu_devices):
