@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 from jax_drain import _compat
 from jax_drain.feedback import error_feedback_specs
 from jax_drain.collectives import (
-    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, check_float_dtype, mean_predivisor, reduce_scatter_bucket,
+    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, reduce_scatter_bucket,
     wire_values,
 )
 from jax_drain.drain import sequenced_map
@@ -597,7 +597,7 @@ class ChainedSync:
     @functools.cached_property
     def description(self) -> list[dict[str, Any]]:
         """Every chain's :meth:`BucketChain.describe`, flat order: enough to move shards laid
-        out by this sync to and from per-parameter arrays (:func:`host_to_params`)."""
+        out by this sync to and from per-parameter arrays (``jax_drain._host_layout``)."""
         return [chain.describe(self.placements, self.mesh) for chain in self.chains]
 
     @functools.cached_property
@@ -779,97 +779,6 @@ GATHER_SCOPE = f"{SCOPE_PREFIX}/gather"
 def description_fingerprint(description: list[dict[str, Any]]) -> str:
     """The short hash that names a :attr:`ChainedSync.description`."""
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _spec_ranks(chain: dict[str, Any]) -> list[dict[str, int]]:
-    """Each rank along a described chain's spec axes, major first: ``{axis: coordinate}``."""
-    sizes = chain["spec_sizes"]
-    return [dict(zip(chain["spec_axes"], np.unravel_index(r, sizes))) if sizes else {}
-            for r in range(math.prod(sizes))]
-
-
-def _block(spec: list, local_shape: Sequence[int], coords: dict[str, int], sizes: dict[str, int]) -> tuple:
-    """The global-array index of one rank's local block of a parameter."""
-    index = []
-    for entry, size in zip(spec + [None] * (len(local_shape) - len(spec)), local_shape):
-        if entry is None:
-            index.append(slice(None))
-            continue
-        k = 0
-        for axis in entry:  # the entry's axes split the dimension, first major
-            k = k * sizes[axis] + int(coords[axis])
-        index.append(slice(k * size, (k + 1) * size))
-    return tuple(index)
-
-
-def host_to_params(description: list[dict[str, Any]], buckets: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """Per-parameter global arrays (by path) from global shard arrays laid out as ``description``
-    says (flat order), on the host: how a checkpoint's optimizer state moves to another layout.
-
-    A global shard array holds, for each rank along the chain's spec axes (major first), that
-    rank's whole padded bucket; a layer chain's has the layers first.
-    """
-    # First every rank's local block of every leaf (pieces may lie in several buckets) ...
-    local: dict[tuple[int, str, int], np.ndarray] = {}
-    placed: dict[tuple[int, str], tuple] = {}
-    ranks = [_spec_ranks(chain) for chain in description]
-    i = 0
-    for c, chain in enumerate(description):
-        rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
-        for _, padded, pieces in chain["buckets"]:
-            whole = _spec_major(chain, np.asarray(buckets[i]))
-            i += 1
-            for r in range(len(ranks[c])):
-                for path, shape, _, offset, spec, global_shape, start, size in pieces:
-                    flat = local.setdefault((c, path, r), np.zeros((*rows, math.prod(shape)), whole.dtype))
-                    flat[..., start:start + size] = whole[..., r * padded + offset:r * padded + offset + size]
-                    placed[(c, path)] = (rows, shape, spec, global_shape)
-    if i != len(buckets):
-        raise ValueError(f"the description has {i} buckets, got {len(buckets)} arrays")
-    # ... then each block at its place in the global array.
-    out: dict[str, np.ndarray] = {}
-    for (c, path, r), flat in local.items():
-        chain = description[c]
-        rows, shape, spec, global_shape = placed[(c, path)]
-        array = out.setdefault(path, np.zeros(global_shape, flat.dtype))
-        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
-        array[_block(spec, [*rows, *shape], ranks[c][r], sizes)] = flat.reshape((*rows, *shape))
-    return out
-
-
-def host_from_params(
-    description: list[dict[str, Any]], params: dict[str, np.ndarray], dtype: Any
-) -> list[np.ndarray]:
-    """Inverse of :func:`host_to_params`: global shard arrays (flat order, padding zero) in
-    ``dtype`` for the layout ``description`` says, from per-parameter arrays by path."""
-    out = []
-    for chain in description:
-        sizes = dict(zip(chain["spec_axes"], chain["spec_sizes"]))
-        rows = [] if chain["num_layers"] is None else [chain["num_layers"]]
-        ranks = _spec_ranks(chain)
-        for _, padded, pieces in chain["buckets"]:
-            whole = np.zeros((*rows, len(ranks) * padded), dtype)
-            for r, coords in enumerate(ranks):
-                for path, shape, _, offset, spec, _, start, size in pieces:
-                    if path not in params:
-                        raise KeyError(f"no array for parameter {path!r}")
-                    block = params[path][_block(spec, [*rows, *shape], coords, sizes)].reshape(*rows, -1)
-                    whole[..., r * padded + offset:r * padded + offset + size] = block[..., start:start + size]
-            out.append(_spec_major(chain, whole, inverse=True))
-    return out
-
-
-def _spec_major(chain: dict[str, Any], whole: np.ndarray, inverse: bool = False) -> np.ndarray:
-    """A described chain's global shard array with every spec rank's whole bucket in turn (its
-    form in the description), from a ``data_major`` chain's ``[data rank, spec rank, shard]``
-    order; ``inverse``: back to it. Unchanged for other chains."""
-    if not chain.get("data_major"):
-        return whole
-    spec_ranks, data_ranks = math.prod(chain["spec_sizes"]), chain["axis_size"]
-    *rows, size = whole.shape
-    first, second = (data_ranks, spec_ranks) if not inverse else (spec_ranks, data_ranks)
-    blocks = whole.reshape(*rows, first, second, size // (spec_ranks * data_ranks))
-    return np.swapaxes(blocks, -3, -2).reshape(*rows, size)
 
 
 def check_flag(value: Any, name: str) -> bool:

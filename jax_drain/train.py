@@ -99,7 +99,8 @@ from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, zero3
-from jax_drain.chain import ChainedSync, check_flag, check_microbatches, host_to_params
+from jax_drain._host_layout import host_to_params
+from jax_drain.chain import ChainedSync, check_flag, check_microbatches
 from jax_drain.collectives import check_float_dtype, check_wire_dtype
 from jax_drain.feedback import (
     FEEDBACK_MODES, ErrorFeedback, abstract_error_feedback, check_error_feedback, error_feedback_specs,

@@ -28,7 +28,7 @@ from helpers import (
     adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, reference_run, rounding_chain,
 )
 from jax_drain import zero3
-from jax_drain.chain import host_to_params
+from jax_drain._host_layout import host_to_params
 from jax_drain.layout import leaf_paths
 from jax_drain.shardings import declared_specs
 
