@@ -73,12 +73,13 @@ except ImportError:  # not on Windows: saves there are serialised within a proce
 import jax
 import numpy as np
 
-from jax_drain.chain import host_from_params, host_to_params
+from jax_drain._host_layout import param_placements, read_param, write_param
+from jax_drain._relayout import LocalBlocks, SavedArrays, UnreadableArray, verify_parts
 from jax_drain.feedback import ErrorFeedback
 from jax_drain.zero3 import ParamShards
 from jax_drain.layout import leaf_paths, path_str
 from jax_drain.optimizer import DistState
-from jax_drain.ownership import pack_on_host, packing_mismatch, unpack_on_host
+from jax_drain.ownership import owned_leaves, pack_owner_on_host, packing_mismatch, row_span, unpack_owner_on_host
 
 PyTree = Any
 
@@ -699,18 +700,73 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
         state = jax.tree.unflatten(treedef, [arrays[key] for key, *_ in wanted["leaves"]])
         return state, saved.get("extra", {})
     _check_movable(directory, step, saved, wanted)
-    host = {key: np.zeros(shape, dtype) for key, _, shape, dtype in saved["leaves"]}
-    arrays = _read_arrays(directory, step, host, saved)
-    by_path = {path: arrays[key] for key, path, *_ in saved["leaves"]}
-    by_path.update(_relaid(saved, wanted, by_path))
-    by_path.update(_repacked(saved, wanted, by_path))
-    by_path.update(_feedback_restarted(saved, wanted, by_path))
-    by_path.update(_params_moved(saved, wanted, by_path))
-    state = [
-        jax.device_put(np.asarray(by_path[path], dtype=leaf.dtype), leaf.sharding)
-        for (_, path, _, _), leaf in zip(wanted["leaves"], leaves)
-    ]
+    try:
+        state = _moved(directory, step, saved, wanted, leaves)
+    except UnreadableArray as e:
+        key = next(k for k, p, *_ in saved["leaves"] if p == e.path)
+        raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"is unreadable ({e.reason})")) from e
     return jax.tree.unflatten(treedef, state), saved.get("extra", {})
+
+
+def _moved(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any],
+           leaves: list[Any]) -> list[jax.Array]:
+    """The target's arrays from a step saved with another layout. Each process builds only the
+    blocks its devices hold, reading from the files only the runs of the parameters those blocks
+    need, one parameter at a time; every saved array is checked against its checksum first,
+    each process reading its share."""
+    source = SavedArrays(directory / str(step) / _STATE, saved["leaves"])
+    _verify_in_parts(directory, step, saved, source)
+    targets = {path: LocalBlocks(shape, leaf.dtype, leaf.sharding)
+               for (_, path, shape, _), leaf in zip(wanted["leaves"], leaves)}
+    built: set[str] = set()
+    for move in (_relaid, _repacked, _feedback_restarted, _params_moved):
+        built |= move(saved, wanted, source, targets)
+    arrays = []
+    for _, path, *_ in wanted["leaves"]:  # each array's host blocks are dropped once it is made
+        blocks = targets.pop(path)
+        if path not in built:
+            blocks.fill(lambda index, path=path: source.read(path, index))
+        arrays.append(blocks.array())
+    return arrays
+
+
+def _verify_in_parts(directory: pathlib.Path, step: int, saved: dict[str, Any], source: SavedArrays) -> None:
+    """Checks every saved array against its recorded checksum, each process summing its share
+    of the elements (:func:`~jax_drain._relayout.verify_parts`) a chunk at a time; the shares
+    add up across processes, and so does whether any process could not read its share, so all
+    of them refuse the same array."""
+    recorded = saved.get("checksums", {})
+    entries = saved["leaves"]
+    part, parts = jax.process_index(), jax.process_count()
+    sums, unreadable = np.zeros(len(entries), np.uint64), np.zeros(len(entries), np.uint64)
+    reasons: dict[int, str] = {}
+    for i, (key, path, shape, _) in enumerate(entries):
+        if not str(recorded.get(key, "")).startswith(_SUM_PREFIX):
+            continue  # a format-4 whole-array checksum: checked below, on the whole array
+        total = 0
+        try:
+            for index in verify_parts(shape, part, parts, _CHUNK):
+                total = (total + int(_element_sum(_host_bits(source.read(path, index)), index, tuple(shape)))) % (1 << 64)
+        except UnreadableArray as e:
+            unreadable[i], reasons[i] = 1, e.reason
+        sums[i] = total
+    if parts > 1:
+        from jax.experimental import multihost_utils
+
+        # uint32 halves: without x64, JAX would narrow uint64 on the way.
+        both = np.concatenate([sums, unreadable]).view(np.uint32)
+        gathered = np.asarray(multihost_utils.process_allgather(both), np.uint32).reshape(parts, -1)
+        added = gathered.copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
+        sums, unreadable = added[:len(entries)], added[len(entries):]
+    for i, (key, path, shape, dtype) in enumerate(entries):
+        if unreadable[i]:
+            where = reasons.get(i, "on another process")
+            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"is unreadable ({where})"))
+        want = recorded.get(key)
+        got = (_checksum_text(dtype, shape, int(sums[i])) if str(want or "").startswith(_SUM_PREFIX)
+               else _sha256(source.read(path)))
+        if want != got:
+            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, "does not match its checksum"))
 
 
 def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any]) -> dict:
@@ -799,28 +855,58 @@ def _damaged_advice(directory: pathlib.Path, step: int) -> str:
                else f"No other step is saved in {directory}."))
 
 
-def _relaid(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The target's DistState shard arrays (by path), re-laid from the saved ones."""
-    out: dict[str, np.ndarray] = {}
-    sources, targets = _shard_sets(saved), _shard_sets(wanted)
+def _relaid(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
+            targets: dict[str, LocalBlocks]) -> set[str]:
+    """Writes the target's DistState shard arrays, re-laid from the saved ones one parameter at
+    a time (only the parameters this process's blocks hold); returns their paths."""
+    built: set[str] = set()
+    sources, sets = _shard_sets(saved), _shard_sets(wanted)
     for old, new in zip(saved["layouts"], wanted["layouts"]):
-        old_description, new_description = json.loads(old["description"]), json.loads(new["description"])
-        for name, paths in targets.items():
+        reads = param_placements(json.loads(old["description"]))
+        writes = param_placements(json.loads(new["description"]))
+        for name, paths in sets.items():
             if name.startswith(_below(new["path"])):
-                params = host_to_params(old_description, [arrays[p] for p in sources[name]])
-                out.update(zip(paths, host_from_params(new_description, params, arrays[sources[name][0]].dtype)))
-    return out
+                _move_params(reads, writes, source, sources[name], targets, paths)
+                built.update(paths)
+    return built
 
 
-def _repacked(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The target's owner-packed ``tx`` state arrays (by path), moved from the saved owners to
-    the target's through the whole-tree state."""
-    out: dict[str, np.ndarray] = {}
+def _move_params(reads: dict[str, Any], writes: dict[str, Any], source: SavedArrays, froms: list[str],
+                 targets: dict[str, LocalBlocks], tos: list[str]) -> None:
+    """Each parameter from the saved shard arrays ``froms`` (laid out as ``reads`` says) into
+    the target's ``tos`` (as ``writes`` says), read only where this process holds a block."""
+    for param, placement in writes.items():
+        if not any(targets[tos[run.array]].holds(run.lo, run.hi) for block in placement.blocks for run in block.runs):
+            continue
+        value = read_param(reads[param], lambda i, lo, hi: source.read_last(froms[i], lo, hi))
+        write_param(placement, value, lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
+
+
+def _repacked(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
+              targets: dict[str, LocalBlocks]) -> set[str]:
+    """Writes the target's owner-packed ``tx`` state arrays, moved from the saved owners to the
+    target's: each saved owner's row is read (once, and only if it holds state one of this
+    process's target owners needs) and unpacked, and each target owner this process holds is
+    packed from the state leaves it owns; returns their paths."""
+    built: set[str] = set()
     for old, new in zip(saved["layouts"], wanted["layouts"]):
-        if "packing" in old and "packing" in new:
-            values = unpack_on_host(json.loads(old["packing"]), [arrays[p] for p in _packed_paths(saved, old)])
-            out.update(zip(_packed_paths(wanted, new), pack_on_host(json.loads(new["packing"]), values)))
-    return out
+        if "packing" not in old or "packing" not in new:
+            continue
+        before, after = json.loads(old["packing"]), json.loads(new["packing"])
+        froms, tos = _packed_paths(saved, old), _packed_paths(wanted, new)
+        mine = [r for r in range(after["owners"])
+                if any(targets[p].holds(*row_span(after, targets[p].shape[-1], r)) for p in tos)]
+        needed = {path for r in mine for path in owned_leaves(after, r, shared=True)}
+        values: dict[str, np.ndarray] = {}
+        for r in range(before["owners"]):
+            if needed & set(owned_leaves(before, r)):
+                rows = [source.read_last(p, *row_span(before, source.shape(p)[-1], r)) for p in froms]
+                values.update((k, v) for k, v in unpack_owner_on_host(before, rows, r).items() if k in needed)
+        for r in mine:
+            for path, row in zip(tos, pack_owner_on_host(after, values, r)):
+                targets[path].write_last(*row_span(after, targets[path].shape[-1], r), row)
+        built.update(tos)
+    return built
 
 
 def _packed_paths(description: dict[str, Any], layout: dict[str, Any]) -> list[str]:
@@ -891,27 +977,34 @@ def _param_shapes(description: dict[str, Any], root: str) -> dict[str, tuple]:
             for _, _, pieces in chain["buckets"] for piece in pieces}
 
 
-def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict:
-    """The target's parameters where they are kept in another form than saved: ZeRO-3 shards
-    re-laid onto another layout, built from replicated parameters, or replicated parameters
-    built from shards (through per-parameter arrays, as the optimizer state moves)."""
-    out: dict[str, np.ndarray] = {}
+def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
+                  targets: dict[str, LocalBlocks]) -> set[str]:
+    """Writes the target's parameters where they are kept in another form than saved: ZeRO-3
+    shards re-laid onto another layout, built from replicated parameters, or replicated
+    parameters built from shards (one parameter at a time, as the optimizer state moves);
+    returns their paths."""
+    built: set[str] = set()
     have, want = _param_roots(saved), _param_roots(wanted)
     for root in sorted(have.keys() | want.keys()):
         old, new = have.get(root), want.get(root)
         if old is not None and new is not None and old["fingerprint"] == new["fingerprint"]:
             continue
-        sources = _under(saved, root)
-        if old is None:
-            params = {path[len(root) + 1:]: arrays[path] for path in sources}
-        else:
-            params = host_to_params(json.loads(old["description"]), [arrays[p] for p in sources])
-        if new is None:
-            out.update({path: params[path[len(root) + 1:]] for path in _under(wanted, root)})
-        else:
-            # float32 holds every parameter dtype's values; each leaf is cast to its own on placement.
-            out.update(zip(_under(wanted, root), host_from_params(json.loads(new["description"]), params, np.float32)))
-    return out
+        froms, tos = _under(saved, root), _under(wanted, root)
+        if old is not None and new is not None:
+            _move_params(param_placements(json.loads(old["description"])),
+                         param_placements(json.loads(new["description"])), source, froms, targets, tos)
+        elif new is not None:  # replicated parameters saved, ZeRO-3 shards wanted
+            writes = param_placements(json.loads(new["description"]))
+            for path in froms:
+                write_param(writes[path[len(root) + 1:]], source.read(path),
+                            lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
+        else:  # ZeRO-3 shards saved, replicated parameters wanted
+            reads = param_placements(json.loads(old["description"]))
+            for path in tos:
+                value = read_param(reads[path[len(root) + 1:]], lambda i, lo, hi: source.read_last(froms[i], lo, hi))
+                targets[path].fill(lambda index, value=value: value[index])
+        built.update(tos)
+    return built
 
 
 def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple, str]]:
@@ -925,22 +1018,21 @@ def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple,
     return out
 
 
-def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict:
+def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
+                        targets: dict[str, LocalBlocks]) -> set[str]:
     """The target's error-feedback residuals: the saved ones where they belong to the same
-    layout, zeros (with a warning) where they do not or were not saved."""
-    have, out, reset = _feedback_leaves(saved), {}, []
+    layout (left to be read as they are), zeros (with a warning) where they do not or were not
+    saved; returns the paths of the zeroed ones."""
+    have, reset = _feedback_leaves(saved), []
     for path, entry in _feedback_leaves(wanted).items():
-        if have.get(path) == entry:
-            out[path] = arrays[path]
-        else:
-            out[path] = np.zeros(entry[1], entry[2])
-            reset.append(path)
+        if have.get(path) != entry:
+            reset.append(path)  # its blocks are zero until written
     if reset:
         warnings.warn(
             f"error-feedback residuals {reset[:3]}{'...' if len(reset) > 3 else ''} start from zero: the "
             "checkpoint has none for this bucket layout (saved on another mesh or layout, or without them)",
-            stacklevel=3)
-    return out
+            stacklevel=5)
+    return set(reset)
 
 
 def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
@@ -1013,7 +1105,7 @@ def _sha256(array: Any) -> str:
 # restore on another mesh or process count adds up the same terms.
 _SUM_PREFIX = "sum64:"
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_CHUNK = 1 << 22  # elements hashed at once: bounds the temporaries to a few times 32 MiB
+_CHUNK = 1 << 20  # elements hashed at once: bounds the temporaries to a few times 8 MiB
 
 
 def _checksums(arrays: dict[str, Any]) -> dict[str, str]:
@@ -1029,8 +1121,11 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, str]:
         gathered = np.asarray(multihost_utils.process_allgather(partial.view(np.uint32)), np.uint32)
         summed = gathered.reshape(-1, len(keys) * 2).copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
         partial = np.where(spread, summed, partial)
-    return {k: f"{_SUM_PREFIX}{np.dtype(arrays[k].dtype)}{list(np.shape(arrays[k]))}:{int(s):016x}"
-            for k, s in zip(keys, partial)}
+    return {k: _checksum_text(arrays[k].dtype, np.shape(arrays[k]), int(s)) for k, s in zip(keys, partial)}
+
+
+def _checksum_text(dtype: Any, shape: Any, total: int) -> str:
+    return f"{_SUM_PREFIX}{jax.numpy.dtype(dtype)}{list(shape)}:{total:016x}"
 
 
 def _owned_sum(array: Any) -> int:

@@ -123,7 +123,8 @@ class OwnedParams:
         """How every owner's ``tx`` state sits in the packed arrays, as JSON: each state leaf's
         path, the parameter it belongs to (``None`` for state shared by all, like a step count),
         its shape and dtype per owner, and each parameter's owner. A checkpoint moves the state to
-        other owners with it (:func:`unpack_on_host`, :func:`pack_on_host`); ``unmovable`` says
+        other owners with it, one owner's row at a time (:func:`unpack_owner_on_host`,
+        :func:`pack_owner_on_host`); ``unmovable`` says
         why it cannot, when ``tx``'s state does not map onto parameters by path."""
         full = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, self.params))
         state_keys = [tuple(path) for path, _ in full[0]]
@@ -271,31 +272,37 @@ def _param_of(key: tuple, param_keys: Sequence[tuple]) -> int | None:
     return best
 
 
-def unpack_on_host(packing: dict[str, Any], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """The whole-tree ``tx`` state from owner-packed global arrays (each ``[owners * width]``,
-    owner ``r``'s row at ``r * width``): state leaf path -> value, each parameter's state
-    from its owner, shared state from owner 0."""
-    owners, width = packing["owners"], packing["width"]
-    rows = [np.reshape(np.asarray(a), (owners, -1))[:, :width] for a in arrays]
-    out: dict[str, np.ndarray] = {}
-    for r in range(owners):
-        leaves = _unpack([row[r] for row in rows], packing["shapes"][r], packing["dtypes"], packing["counts"], np)
-        for (path, param), value in zip(packing["leaves"], leaves):
-            if (param is None and r == 0) or (param is not None and packing["owner_of"].get(param) == r):
-                out[path] = value
-    return out
+def row_span(packing: dict[str, Any], length: int, r: int) -> tuple[int, int]:
+    """Where owner ``r``'s packed row lies in an owner-packed global array of ``length``."""
+    stride = length // packing["owners"]
+    return r * stride, r * stride + packing["width"]
 
 
-def pack_on_host(packing: dict[str, Any], values: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Inverse of :func:`unpack_on_host`: the packed global arrays for ``packing``'s owners,
-    each owner's state leaves of parameters it does not own zero (what ``tx`` computes from
-    them is dropped)."""
-    per_owner = []
-    for r in range(packing["owners"]):
-        leaves = [values[path] if param is None or packing["owner_of"].get(param) == r else np.zeros(shape, dtype)
-                  for (path, param), (shape, dtype) in zip(packing["leaves"], packing["shapes"][r])]
-        per_owner.append(_pack(leaves, packing["dtypes"], packing["counts"], packing["width"], np))
-    return [np.concatenate([owner[j] for owner in per_owner]) for j in range(len(per_owner[0]))]
+def owned_leaves(packing: dict[str, Any], r: int, *, shared: bool | None = None) -> list[str]:
+    """The state leaf paths owner ``r``'s row carries values of: its parameters' state, and the
+    state shared by all parameters (step counts), which every owner carries (``shared=True``)
+    and owner 0's copy is read of (the default: ``shared`` for owner 0 only)."""
+    shared = r == 0 if shared is None else shared
+    return [path for path, param in packing["leaves"]
+            if (param is None and shared) or (param is not None and packing["owner_of"].get(param) == r)]
+
+
+def unpack_owner_on_host(packing: dict[str, Any], rows: Sequence[np.ndarray], r: int) -> dict[str, np.ndarray]:
+    """The state leaves owner ``r`` holds the values of (:func:`owned_leaves`), from its packed
+    rows (one per packed array)."""
+    leaves = _unpack(rows, packing["shapes"][r], packing["dtypes"], packing["counts"], np)
+    mine = set(owned_leaves(packing, r))
+    return {path: value for (path, _), value in zip(packing["leaves"], leaves) if path in mine}
+
+
+def pack_owner_on_host(packing: dict[str, Any], values: dict[str, np.ndarray], r: int) -> list[np.ndarray]:
+    """Owner ``r``'s packed rows from the state leaves it carries (``values`` by path: its
+    parameters' and the shared state; the state of parameters it does not own is zero, what
+    ``tx`` computes from it is dropped)."""
+    mine = set(owned_leaves(packing, r, shared=True))
+    leaves = [values[path] if path in mine else np.zeros(shape, dtype)
+              for (path, _), (shape, dtype) in zip(packing["leaves"], packing["shapes"][r])]
+    return _pack(leaves, packing["dtypes"], packing["counts"], packing["width"], np)
 
 
 def packing_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> str:

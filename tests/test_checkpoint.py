@@ -22,6 +22,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_drain as jd
 from conftest import data_mesh
 from helpers import adam_rounding_bounds, assert_within, loss_rounding_bounds, reference_run, rounding_chain
+from jax_drain import checkpoint
+from jax_drain._relayout import LocalBlocks, SavedArrays
 from jax_drain.checkpoint import latest_step
 from jax_drain.models import GPT, GPTConfig
 
@@ -225,6 +227,60 @@ def test_restores_onto_another_mesh_and_bucket_size_and_trains_on(move, tmp_path
     assert_within(jax.device_get(moved.params), jax.device_get(state.params), bounds[-1], what="params")
     # The moved run saves into the same directory: one model, two layouts.
     jd.save_checkpoint(tmp_path / "ckpt", moved)
+
+
+class _CountingReads(SavedArrays):
+    """Saved arrays that count the elements read from the files."""
+
+    read_elements = 0
+
+    def read(self, path, index=()):
+        values = super().read(path, index)
+        self.read_elements += values.size
+        return values
+
+
+def test_a_moved_restore_reads_only_the_parameters_a_process_holds(tmp_path):
+    """Re-laid onto another bucket size by a process holding 2 of the 8 devices, the optimizer's
+    shard sets (master, Adam's mu and nu) are built from reading only the parameters with an
+    element in that process's quarter of some target bucket, each once per set, and its blocks
+    equal those of a whole restore."""
+    rng = np.random.default_rng(3)
+    params = {f"w{i:02d}": rng.normal(size=(6, 5)).astype(np.float32) for i in range(12)}
+
+    def loss(p, x):
+        return sum(jnp.mean((x @ w) ** 2) for w in p.values())
+
+    def step_with(bucket_size):
+        return jd.make_train_step(params, loss, optax.adam(1e-2), data_mesh(8),
+                                  jd.TrainConfig(bucket_size=bucket_size), example_batch=np.zeros((16, 6), np.float32))
+
+    saved_step, target_step = step_with(64), step_with(160)
+    state, _ = saved_step(saved_step.init(params), rng.normal(size=(16, 6)).astype(np.float32))
+    jd.save_checkpoint(tmp_path, state, step=1)
+    saved = checkpoint._read_description(tmp_path, 1)
+    target = target_step.abstract_state()
+    wanted = checkpoint.state_description(target)
+    process = target_step.mesh.devices.ravel()[:2]
+    blocks = {path: LocalBlocks(shape, leaf.dtype, leaf.sharding, devices=process)
+              for (_, path, shape, _), leaf in zip(wanted["leaves"], jax.tree.leaves(target))}
+    source = _CountingReads(tmp_path / "1" / "state", saved["leaves"])
+    built = checkpoint._relaid(saved, wanted, source, blocks)
+
+    # The process's quarter of each target bucket, and the parameters with a piece there.
+    (chain,) = target_step.sync.description
+    needed = {piece[0] for _, padded, pieces in chain["buckets"] for piece in pieces
+              if piece[3] < 2 * padded // 8}
+    assert 0 < len(needed) < len(params)
+    sets = checkpoint._shard_sets(wanted)
+    assert len(sets) == 3 and built == {p for paths in sets.values() for p in paths}
+    assert source.read_elements == len(sets) * sum(params[p].size for p in needed)
+    whole, _ = jd.restore_checkpoint(tmp_path, target)
+    by_path = {path: leaf for (_, path, *_), leaf in zip(wanted["leaves"], jax.tree.leaves(whole))}
+    for path in built:
+        for shard in by_path[path].addressable_shards:
+            if shard.device in process:
+                np.testing.assert_array_equal(blocks[path].block(shard.index), np.asarray(shard.data))
 
 
 # -- asynchronous, atomic saves -------------------------------------------------------------------
