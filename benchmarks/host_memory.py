@@ -3,7 +3,7 @@
 Launches 2 local processes x 4 CPU devices (``jax.distributed``, gloo) running
 :func:`jax_drain.testing.multiprocess.run_host_memory`: a ZeRO-3 train state (MLP, 16.8M float32
 parameters, Adam) spanning both processes is saved, restored onto the same layout, and restored
-onto another bucket size (re-laid through whole per-parameter arrays). Each process reports the
+onto another bucket size (re-laid one parameter at a time). Each process reports the
 host memory each call used at its peak beyond what it held before (``VmHWM`` after, ``VmRSS``
 before, the high-water mark reset, freed heap returned to the OS first; a warm-up save and
 restore first), in MiB and in units of the bytes of the state's shards it holds. On CPU devices

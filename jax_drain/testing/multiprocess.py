@@ -205,6 +205,11 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
             state, _ = step(state, batches[2])
             pending = jd.save_checkpoint_async(where, state, extra={"kind": kind})
             if die_while_saving and jax.process_index() == jax.process_count() - 1:
+                # Once the step's temporary directory exists: the save has begun on disk, whichever
+                # process creates it and however loaded the machine.
+                deadline = time.monotonic() + 60
+                while not list(where.glob("3.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 print(f"process {jax.process_index()}: exiting during the save (--die-while-saving)", file=sys.stderr)
                 os._exit(3)
             pending.wait()
@@ -230,7 +235,7 @@ def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int
     of ``2 d h`` float32 parameters, Adam) spanning the processes, beyond what it held before
     (``VmHWM`` after the call less ``VmRSS`` before it, the high-water mark reset with
     ``/proc/self/clear_refs``): a save, a restore onto the same layout, and one onto another
-    bucket size (re-laid through whole per-parameter arrays). ``mem/*`` results, bytes, with
+    bucket size (re-laid one parameter at a time). ``mem/*`` results, bytes, with
     ``mem/held``: the bytes of the state's shards this process holds. On CPU devices the
     restored state's own arrays are host memory too, so a restore costs at least ``held``."""
     import jax
@@ -249,10 +254,12 @@ def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int
         return jd.make_train_step(host, _mlp_loss, optax.adam(1e-3), mesh, jd.TrainConfig(
             bucket_size=bucket_size, shard_params=True, donate=False), example_batch=batch)
 
-    step = step_of(d * h // 2)
+    step, moved = step_of(d * h), step_of(3 * d * h)  # w1 | b1, w2 against one bucket
+    if moved.optimizer.fingerprint == step.optimizer.fingerprint:
+        raise AssertionError("the re-layout's target has the saved state's layout")
     state, _ = step(step.init(), batch)
     out = {"mem/held": np.array(sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards))}
-    target, other = step.abstract_state(), step_of(d * h // 3).abstract_state()
+    target, other = step.abstract_state(), moved.abstract_state()
     # Once before measuring: the first save and restore also start orbax's and tensorstore's pools.
     jd.save_checkpoint(Path(directory) / "warm_up", state)
     jd.restore_checkpoint(Path(directory) / "warm_up", target)
@@ -290,7 +297,7 @@ def _proc_status(field: str) -> int:
 
 def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batch: np.ndarray) -> dict[str, np.ndarray]:
     """In the run that saved them: the ZeRO-3 checkpoint restored into a ZeRO-1 step with
-    another bucket size (re-laid through per-parameter arrays), its master weights; then a byte
+    another bucket size (re-laid one parameter at a time), its master weights; then a byte
     of ZeRO-1's newest step flipped by process 0 (in a replicated parameter, which every process
     reads: a file only some processes read and fail to decode leaves orbax's own restore waiting
     for the others), and a restore falling back to the step before on every process.
