@@ -1,7 +1,8 @@
-"""Moving a checkpoint onto another layout with the host memory of one process's shards.
+"""Reading a checkpoint with the host memory of one process's shards.
 
 :class:`SavedArrays` reads a saved step's arrays in slices (tensorstore, straight from the
-files orbax wrote), so a process reads only the runs of the parameters its target shards need.
+files orbax wrote), so a process reads only the blocks its devices hold, or, moving onto another
+layout, only the runs of the parameters its target blocks need.
 :class:`LocalBlocks` holds the blocks of one target array that this process's devices hold,
 filled piece by piece, and becomes a ``jax.Array`` without any process holding the whole array.
 :func:`verify_parts` yields the index boxes a process checks a saved array's checksum over:
@@ -67,7 +68,9 @@ class SavedArrays:
     def _open(self, path: str) -> Any:
         import tensorstore as ts  # orbax's own storage layer
 
-        spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(self._item / self.key(path))}}
+        # A missing chunk file is damage, not zeros.
+        spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(self._item / self.key(path))},
+                "fill_missing_data_reads": False}
         store = ts.open(spec, open=True, read=True).result()
         if tuple(store.shape) != self.shape(path):
             raise UnreadableArray(path, f"its files hold shape {tuple(store.shape)}, the description {self.shape(path)}")
@@ -110,9 +113,14 @@ class LocalBlocks:
                 block[..., a - first:b - first] = values[(*index[:-1], slice(a - lo, b - lo))]
 
     def fill(self, read: Callable[[tuple[slice, ...]], np.ndarray]) -> None:
-        """Every block from ``read(index)`` (``array[index]`` of the source)."""
-        for index, block in self._blocks.values():
-            block[...] = read(index)
+        """Every block from ``read(index)`` (``array[index]`` of the source), kept as read
+        where it has the block's shape and dtype."""
+        for key, (index, block) in self._blocks.items():
+            values = np.asarray(read(index))
+            if values.shape == block.shape and values.dtype == block.dtype:
+                self._blocks[key] = (index, values)
+            else:
+                block[...] = values
 
     def block(self, index: tuple) -> np.ndarray:
         """The block at ``index`` (as the sharding gives it)."""

@@ -2,16 +2,19 @@
 
 A checkpoint directory holds one orbax step directory per saved step. Each stores the state's
 arrays, one directory per array (``<step>/state/<key>/``; optimizer shards written and read
-shard by shard), and a JSON description: every leaf's path, shape and dtype, a SHA-256 checksum
-of every array, and the bucket layout of each :class:`~jax_drain.optimizer.DistState` in it.
+shard by shard), and a JSON description: every leaf's path, shape and dtype, a checksum of
+every array that any process layout can compute from the shards it holds, and the bucket layout
+of each :class:`~jax_drain.optimizer.DistState` in it.
 
 * **Integrity**: restoring verifies every array's checksum; a corrupted array file is refused
-  with an error naming the array and its directory. Without ``step=`` the newest *intact* step
-  is restored (damaged newer steps are skipped with a warning).
-* **Moving**: a checkpoint restores into a step built for another data-axis size, bucket size
-  or mesh: the optimizer shards are re-laid on the host through per-parameter arrays (the
-  layouts in both descriptions say where every element is), then placed with the target's
-  shardings. Parameters and other state restore into any sharding.
+  with an error naming the array and its directory, by every process alike. Without ``step=``
+  the newest *intact* step is restored (damaged newer steps are skipped with a warning).
+* **The memory of one process's shards**: each process writes the shards it holds and reads
+  back, straight from the files, only the blocks its devices hold.
+* **Moving**: a checkpoint restores into a step built for another data-axis size, bucket size,
+  mesh or process count: the optimizer shards are re-laid on the host one parameter at a time
+  (the layouts in both descriptions say where every element is), each process reading only the
+  parameters its target blocks need. Parameters and other state restore into any sharding.
 * **ZeRO-3**: a state whose parameters are :class:`~jax_drain.zero3.ParamShards` restores into
   a step with replicated parameters and back (and onto another layout), through
   per-parameter arrays like the optimizer state.
@@ -691,43 +694,62 @@ def _restore_step(directory: pathlib.Path, step: int, target: PyTree) -> tuple[P
                 f"target leaf {path!r} has no sharding; pass arrays or ShapeDtypeStructs with "
                 "shardings, e.g. train_step.abstract_state()"
             )
-    if saved["fingerprint"] == wanted["fingerprint"]:
-        abstract = {
-            key: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=leaf.sharding)
-            for (key, *_), leaf in zip(wanted["leaves"], leaves)
-        }
-        arrays = _read_arrays(directory, step, abstract, saved)
-        state = jax.tree.unflatten(treedef, [arrays[key] for key, *_ in wanted["leaves"]])
-        return state, saved.get("extra", {})
-    _check_movable(directory, step, saved, wanted)
+    same = saved["fingerprint"] == wanted["fingerprint"]
+    if not same:
+        _check_movable(directory, step, saved, wanted)
+    _check_orbax_files(directory, step, saved)
+    source = SavedArrays(directory / str(step) / _STATE, saved["leaves"])
     try:
-        state = _moved(directory, step, saved, wanted, leaves)
+        state = _read_held(directory, step, saved, wanted, leaves, source) if same else \
+            _moved(directory, step, saved, wanted, leaves, source)
     except UnreadableArray as e:
         key = next(k for k, p, *_ in saved["leaves"] if p == e.path)
         raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"is unreadable ({e.reason})")) from e
     return jax.tree.unflatten(treedef, state), saved.get("extra", {})
 
 
+def _read_held(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any],
+               leaves: list[Any], source: SavedArrays) -> list[jax.Array]:
+    """The target's arrays from a step saved with its layout: each process reads the blocks its
+    devices hold, straight from the files. Then every array is checked against its checksum,
+    each process summing the shards it holds; an array that some process could not read is
+    refused by every process (none waits for another that gave up)."""
+    arrays, reasons = {}, {}
+    for (key, path, shape, _), leaf in zip(wanted["leaves"], leaves):
+        blocks = LocalBlocks(shape, leaf.dtype, leaf.sharding)
+        try:
+            blocks.fill(lambda index, path=path: source.read(path, index))
+        except UnreadableArray as e:
+            reasons[key] = e.reason
+        arrays[key] = blocks.array()
+    keys = list(arrays)
+    partial = np.array([0 if k in reasons else _owned_sum(arrays[k]) for k in keys], np.uint64)
+    spread = np.array([not arrays[k].is_fully_addressable for k in keys])
+    added = _added_over_processes(np.concatenate([partial, np.array([k in reasons for k in keys], np.uint64)]))
+    sums, unreadable = np.where(spread, added[:len(keys)], partial), added[len(keys):]
+    _refuse_damaged(directory, step, saved, keys, sums, unreadable, reasons,
+                    whole=lambda key: jax.device_get(arrays[key]))
+    return [arrays[key] for key in keys]
+
+
 def _moved(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any],
-           leaves: list[Any]) -> list[jax.Array]:
+           leaves: list[Any], source: SavedArrays) -> list[jax.Array]:
     """The target's arrays from a step saved with another layout. Each process builds only the
     blocks its devices hold, reading from the files only the runs of the parameters those blocks
     need, one parameter at a time; every saved array is checked against its checksum first,
     each process reading its share."""
-    source = SavedArrays(directory / str(step) / _STATE, saved["leaves"])
     _verify_in_parts(directory, step, saved, source)
     targets = {path: LocalBlocks(shape, leaf.dtype, leaf.sharding)
                for (_, path, shape, _), leaf in zip(wanted["leaves"], leaves)}
-    built: set[str] = set()
+    arrays: dict[str, jax.Array] = {}
+    # Each group of arrays is made as soon as it is complete, and its host blocks dropped.
     for move in (_relaid, _repacked, _feedback_restarted, _params_moved):
-        built |= move(saved, wanted, source, targets)
-    arrays = []
-    for _, path, *_ in wanted["leaves"]:  # each array's host blocks are dropped once it is made
-        blocks = targets.pop(path)
-        if path not in built:
-            blocks.fill(lambda index, path=path: source.read(path, index))
-        arrays.append(blocks.array())
-    return arrays
+        for paths in move(saved, wanted, source, targets):
+            arrays.update((path, targets.pop(path).array()) for path in paths)
+    for path, blocks in list(targets.items()):  # the leaves kept as saved
+        blocks.fill(lambda index, path=path: source.read(path, index))
+        arrays[path] = targets.pop(path).array()
+    return [arrays[path] for _, path, *_ in wanted["leaves"]]
 
 
 def _verify_in_parts(directory: pathlib.Path, step: int, saved: dict[str, Any], source: SavedArrays) -> None:
@@ -738,84 +760,69 @@ def _verify_in_parts(directory: pathlib.Path, step: int, saved: dict[str, Any], 
     recorded = saved.get("checksums", {})
     entries = saved["leaves"]
     part, parts = jax.process_index(), jax.process_count()
-    sums, unreadable = np.zeros(len(entries), np.uint64), np.zeros(len(entries), np.uint64)
-    reasons: dict[int, str] = {}
+    sums, reasons = np.zeros(len(entries), np.uint64), {}
     for i, (key, path, shape, _) in enumerate(entries):
         if not str(recorded.get(key, "")).startswith(_SUM_PREFIX):
-            continue  # a format-4 whole-array checksum: checked below, on the whole array
+            continue  # a whole-array checksum of format 4: checked on the whole array
         total = 0
         try:
             for index in verify_parts(shape, part, parts, _CHUNK):
                 total = (total + int(_element_sum(_host_bits(source.read(path, index)), index, tuple(shape)))) % (1 << 64)
         except UnreadableArray as e:
-            unreadable[i], reasons[i] = 1, e.reason
+            reasons[key] = e.reason
         sums[i] = total
-    if parts > 1:
-        from jax.experimental import multihost_utils
+    keys = [key for key, *_ in entries]
+    added = _added_over_processes(np.concatenate([sums, np.array([k in reasons for k in keys], np.uint64)]))
+    paths = {key: path for key, path, *_ in entries}
+    _refuse_damaged(directory, step, saved, keys, added[:len(keys)], added[len(keys):], reasons,
+                    whole=lambda key: source.read(paths[key]))
 
-        # uint32 halves: without x64, JAX would narrow uint64 on the way.
-        both = np.concatenate([sums, unreadable]).view(np.uint32)
-        gathered = np.asarray(multihost_utils.process_allgather(both), np.uint32).reshape(parts, -1)
-        added = gathered.copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
-        sums, unreadable = added[:len(entries)], added[len(entries):]
-    for i, (key, path, shape, dtype) in enumerate(entries):
-        if unreadable[i]:
-            where = reasons.get(i, "on another process")
-            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"is unreadable ({where})"))
-        want = recorded.get(key)
-        got = (_checksum_text(dtype, shape, int(sums[i])) if str(want or "").startswith(_SUM_PREFIX)
-               else _sha256(source.read(path)))
+
+def _added_over_processes(values: np.ndarray) -> np.ndarray:
+    """``values`` (uint64) added up over the processes (mod 2**64): one small all-gather that
+    every process joins; the values themselves in one process."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    # uint32 halves: without x64, JAX would narrow uint64 on the way.
+    gathered = np.asarray(multihost_utils.process_allgather(values.view(np.uint32)), np.uint32)
+    return gathered.reshape(jax.process_count(), -1).copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
+
+
+def _refuse_damaged(directory: pathlib.Path, step: int, saved: dict[str, Any], keys: list[str], sums: np.ndarray,
+                    unreadable: np.ndarray, reasons: dict[str, str], whole: Any) -> None:
+    """Raises :class:`CheckpointCorruptError` for the first array some process could not read
+    or whose elements do not add up to its recorded checksum (``whole(key)``: the whole array,
+    for a format-4 checksum)."""
+    recorded = saved.get("checksums", {})
+    shapes = {key: (shape, dtype) for key, _, shape, dtype in saved["leaves"]}
+    for key, total, bad in zip(keys, sums, unreadable):
+        if bad:
+            raise CheckpointCorruptError(_bad_array(directory, step, key, saved,
+                                                    f"is unreadable ({reasons.get(key, 'on another process')})"))
+        want = str(recorded.get(key, ""))
+        if want.startswith(_SUM_PREFIX):
+            got = _checksum_text(shapes[key][1], shapes[key][0], int(total))
+        else:  # a format-4 whole-array checksum (format 3 recorded none)
+            got = _sha256(whole(key)) if key in recorded else want
         if want != got:
             raise CheckpointCorruptError(_bad_array(directory, step, key, saved, "does not match its checksum"))
 
 
-def _read_arrays(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any]) -> dict:
-    """The arrays of ``abstract``'s keys, each checked against its saved checksum."""
-    ocp = _orbax(directory)
-    with _read_only_manager(ocp, directory) as manager:
-        try:
-            arrays = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
-        except Exception as e:  # noqa: BLE001 - find which file is unreadable
-            raise CheckpointCorruptError(_unreadable(directory, step, abstract, saved, e)) from e
-    recorded = saved.get("checksums", {})
-    # Descriptions before the layout-free checksums hold a sha256 of each whole array.
-    whole = {key: array for key, array in arrays.items() if not str(recorded.get(key, "")).startswith(_SUM_PREFIX)}
-    computed = _checksums({key: array for key, array in arrays.items() if key not in whole})
-    computed.update({key: _sha256(jax.device_get(array)) for key, array in whole.items()})
-    for key in arrays:
-        if recorded.get(key) != computed[key]:
-            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, "does not match its checksum"))
-    return arrays
-
-
-def _unreadable(directory: pathlib.Path, step: int, abstract: dict[str, Any], saved: dict[str, Any],
-                error: Exception) -> str:
-    """What orbax could not read in the step's arrays, naming the damaged file or array.
-
-    First the JSON files orbax needs (the item's tree and array metadata, each array's
-    ``.zarray``), then each array alone: one read of them all failing does not say which.
-    """
+def _check_orbax_files(directory: pathlib.Path, step: int, saved: dict[str, Any]) -> None:
+    """Refuses the step if orbax's metadata of its arrays, or an array's ``.zarray``, is not
+    JSON: damage to the step even where the arrays' data would read."""
     item = directory / str(step) / _STATE
     for path in [item / "_METADATA", *sorted((item / "array_metadatas").glob("*"))]:
         reason = _not_json(path)
         if reason:
-            return _bad_file(directory, step, path, f"(orbax's metadata of the arrays) is {reason}")
-    for key in abstract:
+            raise CheckpointCorruptError(_bad_file(directory, step, path, f"(orbax's metadata of the arrays) is {reason}"))
+    for key, *_ in saved["leaves"]:
         reason = _not_json(item / key / ".zarray")
         if reason:
-            return _bad_array(directory, step, key, saved, f"is unreadable: its metadata is {reason}",
-                              item / key / ".zarray")
-    ocp = _orbax(directory)
-    with _expected_orbax_notes(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
-        for key, value in abstract.items():
-            one = {key: value}
-            args = ocp.args.PyTreeRestore(one, restore_args=ocp.checkpoint_utils.construct_restore_args(one),
-                                          partial_restore=True)
-            try:
-                checkpointer.restore(item, args=args)
-            except Exception as e:  # noqa: BLE001
-                return _bad_array(directory, step, key, saved, f"is unreadable ({_first_line(e)})")
-    return _bad_file(directory, step, item, f"is unreadable ({_first_line(error)}), though each array reads alone")
+            raise CheckpointCorruptError(_bad_array(directory, step, key, saved, f"is unreadable: its metadata is {reason}",
+                                                    item / key / ".zarray"))
 
 
 def _not_json(path: pathlib.Path) -> str:
@@ -827,14 +834,6 @@ def _not_json(path: pathlib.Path) -> str:
     except (OSError, ValueError) as e:
         return f"not JSON ({type(e).__name__})"
     return ""
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of the innermost cause: orbax wraps tensorstore's error, which names the file."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
 def _bad_array(directory: pathlib.Path, step: int, key: str, saved: dict[str, Any], what: str,
@@ -856,10 +855,10 @@ def _damaged_advice(directory: pathlib.Path, step: int) -> str:
 
 
 def _relaid(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
-            targets: dict[str, LocalBlocks]) -> set[str]:
+            targets: dict[str, LocalBlocks]) -> Iterator[list[str]]:
     """Writes the target's DistState shard arrays, re-laid from the saved ones one parameter at
-    a time (only the parameters this process's blocks hold); returns their paths."""
-    built: set[str] = set()
+    a time (only the parameters this process's blocks hold); yields each shard set's paths once
+    it is written."""
     sources, sets = _shard_sets(saved), _shard_sets(wanted)
     for old, new in zip(saved["layouts"], wanted["layouts"]):
         reads = param_placements(json.loads(old["description"]))
@@ -867,8 +866,7 @@ def _relaid(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
         for name, paths in sets.items():
             if name.startswith(_below(new["path"])):
                 _move_params(reads, writes, source, sources[name], targets, paths)
-                built.update(paths)
-    return built
+                yield paths
 
 
 def _move_params(reads: dict[str, Any], writes: dict[str, Any], source: SavedArrays, froms: list[str],
@@ -883,12 +881,11 @@ def _move_params(reads: dict[str, Any], writes: dict[str, Any], source: SavedArr
 
 
 def _repacked(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
-              targets: dict[str, LocalBlocks]) -> set[str]:
+              targets: dict[str, LocalBlocks]) -> Iterator[list[str]]:
     """Writes the target's owner-packed ``tx`` state arrays, moved from the saved owners to the
     target's: each saved owner's row is read (once, and only if it holds state one of this
     process's target owners needs) and unpacked, and each target owner this process holds is
-    packed from the state leaves it owns; returns their paths."""
-    built: set[str] = set()
+    packed from the state leaves it owns; yields their paths once written."""
     for old, new in zip(saved["layouts"], wanted["layouts"]):
         if "packing" not in old or "packing" not in new:
             continue
@@ -905,8 +902,7 @@ def _repacked(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays
         for r in mine:
             for path, row in zip(tos, pack_owner_on_host(after, values, r)):
                 targets[path].write_last(*row_span(after, targets[path].shape[-1], r), row)
-        built.update(tos)
-    return built
+        yield tos
 
 
 def _packed_paths(description: dict[str, Any], layout: dict[str, Any]) -> list[str]:
@@ -978,12 +974,11 @@ def _param_shapes(description: dict[str, Any], root: str) -> dict[str, tuple]:
 
 
 def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
-                  targets: dict[str, LocalBlocks]) -> set[str]:
+                  targets: dict[str, LocalBlocks]) -> Iterator[list[str]]:
     """Writes the target's parameters where they are kept in another form than saved: ZeRO-3
     shards re-laid onto another layout, built from replicated parameters, or replicated
     parameters built from shards (one parameter at a time, as the optimizer state moves);
-    returns their paths."""
-    built: set[str] = set()
+    yields their paths once written."""
     have, want = _param_roots(saved), _param_roots(wanted)
     for root in sorted(have.keys() | want.keys()):
         old, new = have.get(root), want.get(root)
@@ -1003,8 +998,7 @@ def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], source: SavedAr
             for path in tos:
                 value = read_param(reads[path[len(root) + 1:]], lambda i, lo, hi: source.read_last(froms[i], lo, hi))
                 targets[path].fill(lambda index, value=value: value[index])
-        built.update(tos)
-    return built
+        yield tos
 
 
 def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple, str]]:
@@ -1019,10 +1013,10 @@ def _feedback_leaves(description: dict[str, Any]) -> dict[str, tuple[str, tuple,
 
 
 def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
-                        targets: dict[str, LocalBlocks]) -> set[str]:
+                        targets: dict[str, LocalBlocks]) -> Iterator[list[str]]:
     """The target's error-feedback residuals: the saved ones where they belong to the same
     layout (left to be read as they are), zeros (with a warning) where they do not or were not
-    saved; returns the paths of the zeroed ones."""
+    saved; yields the paths of the zeroed ones."""
     have, reset = _feedback_leaves(saved), []
     for path, entry in _feedback_leaves(wanted).items():
         if have.get(path) != entry:
@@ -1032,7 +1026,7 @@ def _feedback_restarted(saved: dict[str, Any], wanted: dict[str, Any], source: S
             f"error-feedback residuals {reset[:3]}{'...' if len(reset) > 3 else ''} start from zero: the "
             "checkpoint has none for this bucket layout (saved on another mesh or layout, or without them)",
             stacklevel=5)
-    return set(reset)
+    yield reset
 
 
 def _shard_sets(description: dict[str, Any]) -> dict[str, list[str]]:
@@ -1115,12 +1109,7 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, str]:
     partial = np.array([_owned_sum(arrays[k]) for k in keys], np.uint64)
     spread = [isinstance(arrays[k], jax.Array) and not arrays[k].is_fully_addressable for k in keys]
     if any(spread):
-        from jax.experimental import multihost_utils
-
-        # uint32 halves: without x64, JAX would narrow uint64 on the way.
-        gathered = np.asarray(multihost_utils.process_allgather(partial.view(np.uint32)), np.uint32)
-        summed = gathered.reshape(-1, len(keys) * 2).copy().view(np.uint64).sum(axis=0, dtype=np.uint64)
-        partial = np.where(spread, summed, partial)
+        partial = np.where(spread, _added_over_processes(partial), partial)
     return {k: _checksum_text(arrays[k].dtype, np.shape(arrays[k]), int(s)) for k, s in zip(keys, partial)}
 
 

@@ -21,7 +21,8 @@ def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
     """The syncs and the optimizer bit for bit one process's; and checkpoints of states whose
     arrays span both processes (ZeRO-1 and ZeRO-3 on data=8): saved (sync and async), restored
     there (ZeRO-3 into ZeRO-1 with another bucket size too), a damaged array refused there by
-    every process with the fall back to the step before, and restored again in this one process."""
+    every process with the fall back to the step before, also one that only one process reads,
+    and restored again in this one process."""
     start = time.monotonic()
     checkpoints = tmp_path / "ckpt"
     stdouts = worker.launch_local(2, 4, tmp_path, timeout=TIMEOUT_S, checkpoint=checkpoints)
@@ -44,6 +45,11 @@ def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
         assert saved["ckpt/fallback_step"] == 2, f"process {i}"
         assert re.search(r"zero1/3: array 'params/.*' \(file .*\) .*Trying the previous step",
                          str(saved["ckpt/fallback_warning"])), saved["ckpt/fallback_warning"]
+        # A chunk only process 1 reads cut short: refused by both, naming the array; process 1
+        # says why (its file), process 0 that another process could not read it.
+        one_sided = str(saved["ckpt/one_sided"])
+        assert "one_sided/2: array 'opt_state/master/0' (file " in one_sided, one_sided
+        assert ("opt_state.master.0/7" if i == 1 else "is unreadable (on another process)") in one_sided, one_sided
         # A global numpy batch and the processes' own rows are one batch: the same step.
         assert inputs["input/global_loss"] == inputs["input/local_loss"], inputs
         assert "process 1 passed [15] rows (per leaf), process 0 [16]" in str(inputs["input/refused"]), inputs

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -299,9 +300,9 @@ def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batc
     """In the run that saved them: the ZeRO-3 checkpoint restored into a ZeRO-1 step with
     another bucket size (re-laid one parameter at a time), its master weights; then a byte
     of ZeRO-1's newest step flipped by process 0 (in a replicated parameter, which every process
-    reads: a file only some processes read and fail to decode leaves orbax's own restore waiting
-    for the others), and a restore falling back to the step before on every process.
-    ``ckpt/moved/*`` and ``ckpt/fallback_*`` results."""
+    reads), and a restore falling back to the step before on every process; and a copy of that
+    step with a chunk only the last process reads cut short, refused by every process.
+    ``ckpt/moved/*``, ``ckpt/fallback_*`` and ``ckpt/one_sided`` results."""
     import warnings
 
     import jax
@@ -329,6 +330,19 @@ def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batc
         restored, _ = jd.restore_checkpoint(Path(directory) / "zero1", zero1.abstract_state())
     out["ckpt/fallback_step"] = np.array(int(restored.step))
     out["ckpt/fallback_warning"] = np.array(" ".join(str(w.message) for w in caught))
+    # A copy of step 2 with a chunk that only the last process reads cut short: that process
+    # cannot decode it, the others read theirs; every process must refuse it, none wait.
+    one_sided = Path(directory) / "one_sided"
+    if jax.process_index() == 0:
+        shutil.copytree(Path(directory) / "zero1" / "2", one_sided / "2")
+        chunk = one_sided / "2" / "state" / "opt_state.master.0" / str(len(jax.devices()) - 1)
+        chunk.write_bytes(chunk.read_bytes()[:chunk.stat().st_size // 2])
+    multihost_utils.sync_global_devices("jax_drain damaged one side")
+    try:
+        jd.restore_checkpoint(one_sided, zero1.abstract_state())
+        out["ckpt/one_sided"] = np.array("restored")
+    except jd.CheckpointCorruptError as e:
+        out["ckpt/one_sided"] = np.array(str(e))
     return out
 
 
