@@ -54,7 +54,7 @@ class SavedArrays:
     def read(self, path: str, index: tuple = ()) -> np.ndarray:
         """``array[index]`` read from disk (only the chunks it touches)."""
         try:
-            store = self._stores.get(path) or self._open(path)
+            store = self._stores[path] if path in self._stores else self._open(path)
             return np.asarray(store[index].read().result())
         except UnreadableArray:
             raise
