@@ -95,10 +95,6 @@ class LocalBlocks:
             if _key(index) not in self._blocks:
                 self._blocks[_key(index)] = (index, np.zeros([s.stop - s.start for s in index], dtype))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(block.nbytes for _, block in self._blocks.values())
-
     def holds(self, lo: int, hi: int) -> bool:
         """Whether any block overlaps positions ``[lo, hi)`` of the last axis."""
         return any(index[-1].start < hi and lo < index[-1].stop for index, _ in self._blocks.values())
