@@ -317,11 +317,11 @@ def test_steps_built_and_run_under_the_callers_explicit_context_mesh(cpu_devices
 
 
 class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, d: int = D, h: int = H):
         part = lambda init, names: nnx.with_partitioning(init, names)
-        self.up = nnx.Linear(D, H, kernel_init=part(nnx.initializers.normal(0.3), (None, "model")),
+        self.up = nnx.Linear(d, h, kernel_init=part(nnx.initializers.normal(0.3), (None, "model")),
                              bias_init=part(nnx.initializers.normal(0.1), ("model",)), rngs=rngs)
-        self.down = nnx.Linear(H, D, kernel_init=part(nnx.initializers.normal(0.3), ("model", None)),
+        self.down = nnx.Linear(h, d, kernel_init=part(nnx.initializers.normal(0.3), ("model", None)),
                                bias_init=nnx.initializers.normal(0.1), rngs=rngs)
 
     def __call__(self, h):
@@ -329,9 +329,9 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.block0, self.block1 = Block(rngs), Block(rngs)
-        self.head = nnx.Linear(D, C, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, d: int = D, h: int = H):
+        self.block0, self.block1 = Block(rngs, d, h), Block(rngs, d, h)
+        self.head = nnx.Linear(d, C, rngs=rngs)
 
     def __call__(self, x):
         return self.head(self.block1(self.block0(x)))
@@ -366,12 +366,15 @@ def test_nnx_model_with_partitioning_metadata_trains_tensor_parallel(cpu_devices
 
 
 class LinenBlocks(nn.Module):
+    d: int = D
+    h: int = H
+
     @nn.compact
     def __call__(self, x):
         logical = lambda names, scale: nn.with_logical_partitioning(nn.initializers.normal(scale), names)
         for _ in range(L):
-            h = nn.Dense(H, kernel_init=logical(("embed", "mlp"), 0.3), bias_init=logical(("mlp",), 0.1))(x)
-            x = x + jnp.tanh(nn.Dense(D, kernel_init=logical(("mlp", "embed"), 0.3))(jax.nn.gelu(h)))
+            h = nn.Dense(self.h, kernel_init=logical(("embed", "mlp"), 0.3), bias_init=logical(("mlp",), 0.1))(x)
+            x = x + jnp.tanh(nn.Dense(self.d, kernel_init=logical(("mlp", "embed"), 0.3))(jax.nn.gelu(h)))
         return nn.Dense(C, kernel_init=logical(("embed", "vocab"), 0.3))(x)
 
 
@@ -379,7 +382,7 @@ def test_linen_logical_partitioning_with_rules_trains_tensor_parallel(cpu_device
     mesh = _mesh("replica_data_model", cpu_devices)
     module = LinenBlocks()
     boxed = module.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
-    rules = (("embed", None), ("mlp", "model"), ("vocab", None))
+    rules = LINEN_RULES
     specs = declared_specs(boxed, mesh, rules)
     assert specs["Dense_0"]["kernel"] == P(None, "model") and specs["Dense_1"]["kernel"] == P("model")
     params = nn.meta.unbox(boxed)
@@ -589,6 +592,46 @@ def test_no_weight_is_gathered_over_the_model_axis_on_the_gpu_compiler():
     summary = lambda s: sorted((c.kind, c.dtype, c.bytes, c.group_size) for c in s.collectives)
     assert summary(sched) == summary(manual_sched)
     assert compiled.memory_analysis().temp_size_in_bytes <= manual.memory_analysis().temp_size_in_bytes
+
+
+LINEN_RULES = (("embed", None), ("mlp", "model"), ("vocab", None))
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("kind", ["nnx_metadata", "linen_rules_replica_data_model"])
+def test_declared_shardings_gather_no_weight_over_the_model_axis_on_the_gpu_compiler(kind):
+    """The nnx model's ``with_partitioning`` metadata on ``(data, model)`` and the linen model's
+    logical rules on ``(replica, data, model)``, at GPU sizes on compile-only 8xH100 devices:
+    every all-gather is the optimizer's parameter gather of a bucket over data, each bucket one
+    all-to-all over data; XLA gathers no weight."""
+    from jax_drain.planner.schedule import parse_schedule
+    from jax_drain.planner.targets import gpu_mesh
+
+    d, h = 512, 2048
+    if kind == "nnx_metadata":
+        mesh, data = gpu_mesh((4, 2), ("data", "model")), 4
+        with nnx.use_eager_sharding(False):
+            model, loss, config = Model(nnx.Rngs(0), d, h), nnx_loss, jd.TrainConfig(bucket_size=d * h // 2)
+    else:
+        mesh, data = gpu_mesh((2, 2, 2), ("replica", "data", "model")), 2
+        module = LinenBlocks(d, h)
+        model = module.init(jax.random.key(0), jnp.zeros((1, d)))["params"]
+        config = jd.TrainConfig(axis="data", outer_axis="replica", bucket_size=d * h // 2,
+                                logical_axis_rules=LINEN_RULES)
+
+        def loss(p, batch):
+            return jnp.mean(jnp.sum((module.apply({"params": p}, batch["x"]) - batch["y"]) ** 2, axis=-1))
+
+    batch = {"x": jax.ShapeDtypeStruct((8 * 256, d), jnp.float32), "y": jax.ShapeDtypeStruct((8 * 256, C), jnp.float32)}
+    step = jd.make_train_step(model, loss, jd.adamw(1e-3, max_norm=1.0), mesh, config, example_batch=batch)
+    assert step.tensor_parallel == "gspmd" and step.sync.num_buckets >= 2
+    sched = parse_schedule(step.lower(step.abstract_state(), batch).compile().as_text())
+    gathers = [c for c in sched.collectives if c.kind == "all-gather"]
+    assert len(gathers) == step.sync.num_buckets
+    assert all(c.group_size == data and c.in_scope("jax_drain/gather/bucket") for c in gathers), gathers
+    for k in range(step.sync.num_buckets):
+        (c,) = [c for c in sched.collectives if c.in_scope(f"jax_drain/bucket{k}/") and c.kind == "all-to-all"]
+        assert c.group_size == data
 
 
 def test_shard_params_refuses_what_it_cannot_shard(cpu_devices):
