@@ -32,7 +32,7 @@ def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
     assert sum(k.startswith("sync/shard") for k in reference) >= 2
     for i in range(2):
         got = dict(np.load(tmp_path / f"process{i}.npz"))
-        saved = {k: got.pop(k) for k in list(got) if k.startswith("ckpt/")}
+        saved = {k: got.pop(k) for k in list(got) if k.startswith(("ckpt/", "model/"))}
         inputs = {k: got.pop(k) for k in list(got) if k.startswith("input/")}
         assert worker.compare(got, reference) == [], f"process {i}"
         assert saved["ckpt/zero1/restored_equal"] == 1 and saved["ckpt/zero3/restored_equal"] == 1, f"process {i}"
@@ -45,6 +45,15 @@ def test_multiprocess_two_processes_match_one_process(tmp_path, cpu_devices):
         assert saved["ckpt/fallback_step"] == 2, f"process {i}"
         assert re.search(r"zero1/3: array 'params/.*' \(file .*\) .*Trying the previous step",
                          str(saved["ckpt/fallback_warning"])), saved["ckpt/fallback_warning"]
+        # An nnx model trained with ZeRO-3 over both processes, written back: every weight whole
+        # on each process, the step's master weights bit for bit, not the initial ones.
+        written = {k[len("model/written/"):]: v for k, v in saved.items() if k.startswith("model/written/")}
+        assert sorted(written) == sorted(k[len("model/master/"):] for k in saved if k.startswith("model/master/"))
+        assert len(written) == 4, sorted(written)
+        for name, value in written.items():
+            np.testing.assert_array_equal(value, saved[f"model/master/{name}"])
+            assert value.shape == saved[f"model/before/{name}"].shape
+            assert not np.array_equal(value, saved[f"model/before/{name}"]), name
         # A chunk only process 1 reads cut short: refused by both, naming the array; process 1
         # says why (its file), process 0 that another process could not read it.
         one_sided = str(saved["ckpt/one_sided"])

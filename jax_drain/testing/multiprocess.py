@@ -228,6 +228,7 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
             out[f"ckpt/{kind}/master_params/{name}"] = value
         if shard_params:
             out.update(_moved_and_damaged(directory, host, mesh, batches[0]))
+            out.update(_model_written(mesh, batches[0]))
     return out
 
 
@@ -343,6 +344,38 @@ def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batc
         out["ckpt/one_sided"] = np.array("restored")
     except jd.CheckpointCorruptError as e:
         out["ckpt/one_sided"] = np.array(str(e))
+    return out
+
+
+def _model_written(mesh: Any, batch: np.ndarray) -> dict[str, np.ndarray]:
+    """An nnx model trained one step with ZeRO-3 (its parameters sharded over both processes)
+    and written back with ``step.update_model``: each of its weights as this process then holds
+    it, the step's ``master_params``, and the weights before. ``model/*`` results."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jax_drain as jd
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up, self.down = nnx.Linear(D, H, rngs=rngs), nnx.Linear(H, D, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.gelu(self.up(x)))
+
+    model = MLP(nnx.Rngs(0))
+    before = {k: fetch(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    step = jd.make_train_step(model, lambda m, x: ((m(x) - x) ** 2).mean(), optax.adam(1e-2), mesh,
+                              jd.TrainConfig(bucket_size=1024, shard_params=True), example_batch=batch)
+    state, _ = step(step.init(), batch)
+    step.update_model(model, state)
+    out = {}
+    for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "/".join(map(str, k))
+        out[f"model/written/{name}"], out[f"model/before/{name}"] = np.asarray(v[...]), before[k]
+    flat = jax.tree_util.tree_flatten_with_path(step.master_params(state))[0]
+    out.update({"model/master/" + "/".join(str(getattr(p, "key", p)) for p in path): np.asarray(v) for path, v in flat})
     return out
 
 
