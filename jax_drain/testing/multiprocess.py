@@ -204,15 +204,14 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
         jd.save_checkpoint(where, state, extra={"kind": kind})
         if not shard_params:
             state, _ = step(state, batches[2])
+            dying = die_while_saving and jax.process_index() == jax.process_count() - 1
+            if dying:
+                _exit_in_the_save(where, int(state.step), jax.process_index())
             pending = jd.save_checkpoint_async(where, state, extra={"kind": kind})
-            if die_while_saving and jax.process_index() == jax.process_count() - 1:
-                # Once the step's temporary directory exists: the save has begun on disk, whichever
-                # process creates it and however loaded the machine.
-                deadline = time.monotonic() + 60
-                while not list(where.glob("3.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                print(f"process {jax.process_index()}: exiting during the save (--die-while-saving)", file=sys.stderr)
-                os._exit(3)
+            if dying:
+                print(f"process {jax.process_index()}: the async save of step {int(state.step)} returned without "
+                      "starting a thread once its directory existed; it cannot be interrupted", file=sys.stderr)
+                os._exit(5)
             pending.wait()
         restored, extra = jd.restore_checkpoint(where, step.abstract_state())
         same = extra == {"kind": kind} and int(restored.step) == int(state.step)
@@ -230,6 +229,24 @@ def run_checkpoint(devices: Sequence[Any], directory: str | os.PathLike, seed: i
             out.update(_moved_and_damaged(directory, host, mesh, batches[0]))
             out.update(_model_written(mesh, batches[0]))
     return out
+
+
+def _exit_in_the_save(directory: Path, step: int, process: int) -> None:
+    """Makes this process exit (status 3) in the first Python thread it starts once the temporary
+    directory of ``step`` exists, before that thread runs any code.
+
+    An async save finishes in a thread it starts after the directory exists: the step's files are
+    begun, and this process can never reach the barrier before the commit, so the step is never
+    finished. Exiting on the main thread after the save returned would race that thread."""
+
+    def on_first_call(frame: Any, event: str, arg: Any) -> None:
+        if list(directory.glob(f"{step}.orbax-checkpoint-tmp*")):
+            print(f"process {process}: exiting during the save (--die-while-saving)", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(3)
+        sys.setprofile(None)  # a thread started before the save: left alone
+
+    threading.setprofile(on_first_call)
 
 
 def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int = 2048, h: int = 4096) -> dict:
@@ -498,7 +515,8 @@ def launch_local(
             codes = [p.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i = failed[0]
+                # A process that gave up on a dead peer is not the news; the peer is.
+                i = next((i for i in failed if codes[i] != PEER_FAILURE_EXIT), failed[0])
                 raise RuntimeError(f"process {i} of {num_processes} exited with status {codes[i]}; stopped the "
                                    f"others. Its stderr ends with:\n{tail(i)}")
             if all(c == 0 for c in codes):
