@@ -62,8 +62,8 @@ def _of_dtype(tree, dtype):
     return {p: x for p, x in zip(jd.layout.leaf_paths(tree), jax.tree.leaves(tree)) if p in kept}
 
 
-@pytest.mark.parametrize("bucket_size", [None, 1000, 1])
-@pytest.mark.parametrize("average", [True, False])
+# Averaging scales each bucket alike, whatever the layout: the sum is checked on one layout.
+@pytest.mark.parametrize("bucket_size, average", [(None, True), (1000, True), (1, True), (1000, False)])
 def test_reduce_scatter_matches_float64_reference(bucket_size, average):
     mesh = data_mesh(8)
     grads = per_device_grads(np.random.default_rng(1), VALUES, 8, scale=SCALES)
