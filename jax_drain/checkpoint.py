@@ -66,7 +66,7 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 try:
     import fcntl
@@ -723,10 +723,7 @@ def _read_held(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted
             reasons[key] = e.reason
         arrays[key] = blocks.array()
     keys = list(arrays)
-    partial = np.array([0 if k in reasons else _owned_sum(arrays[k]) for k in keys], np.uint64)
-    spread = np.array([not arrays[k].is_fully_addressable for k in keys])
-    added = _added_over_processes(np.concatenate([partial, np.array([k in reasons for k in keys], np.uint64)]))
-    sums, unreadable = np.where(spread, added[:len(keys)], partial), added[len(keys):]
+    sums, unreadable = _summed_over_processes([arrays[k] for k in keys], [k in reasons for k in keys])
     _refuse_damaged(directory, step, saved, keys, sums, unreadable, reasons,
                     whole=lambda key: jax.device_get(arrays[key]))
     return [arrays[key] for key in keys]
@@ -1106,11 +1103,18 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, str]:
     """Each array's layout-free checksum (``_SUM_PREFIX``, dtype, shape, sum); in a
     multi-process run every process calls it with the same keys (one small all-gather)."""
     keys = list(arrays)
-    partial = np.array([_owned_sum(arrays[k]) for k in keys], np.uint64)
-    spread = [isinstance(arrays[k], jax.Array) and not arrays[k].is_fully_addressable for k in keys]
-    if any(spread):
-        partial = np.where(spread, _added_over_processes(partial), partial)
-    return {k: _checksum_text(arrays[k].dtype, np.shape(arrays[k]), int(s)) for k, s in zip(keys, partial)}
+    sums, _ = _summed_over_processes([arrays[k] for k in keys])
+    return {k: _checksum_text(arrays[k].dtype, np.shape(arrays[k]), int(s)) for k, s in zip(keys, sums)}
+
+
+def _summed_over_processes(arrays: Sequence[Any], flags: Sequence[bool] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """``(sums, flags)``: each array's element sum for its checksum (an array spanning processes
+    summed over them, each adding the shards it holds) and ``flags`` (one per array) counted
+    over the processes, both in one small all-gather that every process joins."""
+    partial = np.array([_owned_sum(a) for a in arrays], np.uint64)
+    spread = np.array([isinstance(a, jax.Array) and not a.is_fully_addressable for a in arrays], bool)
+    added = _added_over_processes(np.concatenate([partial, np.asarray(flags, np.uint64)]))
+    return np.where(spread, added[:len(arrays)], partial), added[len(arrays):]
 
 
 def _checksum_text(dtype: Any, shape: Any, total: int) -> str:
