@@ -89,3 +89,33 @@ def fence(after: Any, x: X) -> X:
         extra = tuple(a for a in _compat.varying_axes(token) if a not in _compat.varying_axes(leaf))
         out.append(jax.lax.optimization_barrier((jax.lax.pmax(token, extra) if extra else token, leaf))[1])
     return jax.tree.unflatten(treedef, out)
+
+
+def after(value: jax.Array, x: jax.Array) -> jax.Array:
+    """``x``, bit for bit, computed from ``value``: whatever reads the result waits for ``value``.
+
+    A data dependency for where :func:`fence`'s barrier would be dropped: XLA removes an
+    ``optimization_barrier`` operand whose output nothing reads (its algebraic simplifier), so a
+    barrier fences only where the program goes on to read the fencing value from it. Here one
+    element of ``value`` is compared with itself plus one (false for every bit pattern), and that
+    false is OR-ed into ``x``'s bits. It costs an elementwise pass over ``x``: for small arrays
+    (a parameter shard before its all-gather), where XLA must not start early.
+
+    Example::
+
+        >>> x = after(jnp.ones(4), jnp.arange(3.0))   # [0., 1., 2.], available after jnp.ones(4)
+    """
+    token = jnp.ravel(value)[0]
+    bits = jax.lax.bitcast_convert_type(token, _UNSIGNED[token.dtype.itemsize])
+    never = bits == bits + 1
+    extra = tuple(a for a in _compat.varying_axes(never) if a not in _compat.varying_axes(x))
+    if extra:  # keep x's type: a flag equal along the axes x does not vary along
+        never = jax.lax.pmax(never.astype(jnp.uint8), extra).astype(bool)
+    if x.dtype == jnp.bool_:
+        return x | never
+    x_bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+    return jax.lax.bitcast_convert_type(x_bits | never.astype(x_bits.dtype), x.dtype)
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+

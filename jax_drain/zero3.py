@@ -10,6 +10,10 @@ all-gather, placed where the bucket is first used:
   first value the forward computes from bucket ``g_{i - gather_max_in_flight}``: at most
   ``gather_max_in_flight`` gathered buckets wait ahead of the compute, XLA cannot start every
   gather at once (keeping every gathered bucket alive), and it cannot combine them into one.
+  The fence is a data dependency (:func:`jax_drain.drain.after`: the shard computed from that
+  value), not an ``optimization_barrier``: XLA drops a barrier's operand whose output nothing
+  reads, and the value a gather waits on has usually been read already, so barriers left most
+  gathers of a remat-block model free to start at the step's beginning.
   ``gather_max_in_flight=None`` leaves the gathers unfenced (XLA places and may combine them).
 * **Backward**: the gather is a ``jax.custom_vjp`` whose backward rule returns the bucket's
   whole local gradient (the pieces' cotangents laid back into the bucket) as the cotangent of a
@@ -88,7 +92,7 @@ from jax_drain.chain import (
     check_state_replicated,
 )
 from jax_drain.collectives import all_gather_bucket
-from jax_drain.drain import check_max_in_flight
+from jax_drain.drain import after, check_max_in_flight
 from jax_drain.feedback import check_error_feedback
 from jax_drain.losses import check_loss_varies, pack_value, split_output
 from jax_drain.optimizer import StateLayout
@@ -276,7 +280,7 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
 
 def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
     """``gather(shard, dummy, fence) -> pieces`` for bucket ``k`` of ``chain``: forward, the
-    all-gather of ``shard`` (fenced behind ``fence``) cut into the bucket's pieces (a whole leaf
+    all-gather of ``shard`` (computed from ``fence``: :func:`~jax_drain.drain.after`) cut into the bucket's pieces (a whole leaf
     in its shape, a split leaf's piece flat; typed as varying along the data axes so ``jax.grad``
     gives local gradients); backward, the pieces' gradient laid back into the whole bucket, as
     ``dummy``'s cotangent. For a layer chain (inside a scan body; ``shard`` is one layer's row)
@@ -320,7 +324,7 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
 
     def forward(shard, fence):
         if fence is not None:
-            _, shard = jax.lax.optimization_barrier((fence, shard))
+            shard = after(fence, shard)
         return sync.on_local_blocks(gather_pieces, (shard_spec,), piece_specs)(shard)
 
     def reduce(pieces, residual=None):

@@ -187,6 +187,37 @@ def test_other_buckets_wait_for_the_layer_loop_on_a_hand_written_tensor_parallel
     assert waits == (set(_bucket_labels(layers)) if depth else set()), waits
 
 
+@pytest.mark.parametrize("x", [
+    np.array([0.0, -0.0, 1.5, -np.inf, np.inf, np.nan, 3e38], np.float32),
+    np.array([-0.0, 1.5, np.nan, 65504.0], jnp.bfloat16),
+    np.array([-7, 0, 2**31 - 1], np.int32),
+    np.array([True, False]),
+], ids=["float32", "bfloat16", "int32", "bool"])
+@pytest.mark.parametrize("value", [np.float32(np.nan), np.float32(-np.inf), np.uint8(255), jnp.bfloat16(-0.0)],
+                         ids=["nan", "-inf", "uint8", "bf16"])
+def test_after_returns_x_bit_for_bit_computed_from_value(x, value):
+    """``drain.after``: every bit of ``x`` kept, whatever ``value`` holds, and ``value`` still read
+    by the program XLA compiles (the data dependency a barrier would lose)."""
+    from jax_drain.drain import after
+
+    out = jax.jit(after)(jnp.asarray([value, value]), jnp.asarray(x))
+    assert out.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(x).view(np.uint8))
+    hlo = jax.jit(after).lower(jnp.asarray([value, value]), jnp.asarray(x)).compile().as_text()
+    assert re.search(r"compare\(", hlo), hlo
+
+
+def test_after_keeps_the_type_of_x_inside_shard_map(cpu_devices):
+    """A ``value`` varying along an axis ``x`` does not vary along leaves ``x`` typed as it was
+    (its flag is made equal along that axis), so ``x`` can still leave ``shard_map`` replicated."""
+    from jax_drain.drain import after
+
+    mesh = _mesh((8,), ("data",), cpu_devices)
+    x = jnp.arange(5.0)
+    fn = _compat.shard_map(lambda v, x: after(v, x), mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+    np.testing.assert_array_equal(jax.jit(fn)(jnp.arange(16.0), x), x)
+
+
 @pytest.mark.parametrize("depth", [1, 2, None])
 def test_optimizer_gathers_in_forward_order(depth, cpu_devices):
     sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100)

@@ -185,6 +185,32 @@ def test_gpu_schedule_gathers_each_bucket_at_its_use_and_keeps_the_chain():
     assert found[True][1] < found[False][1]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_gpu_each_forward_gather_waits_for_the_bucket_depth_before(depth):
+    """Compile-only 8xH100, XLA's default flags, a small GPT of remat blocks: with
+    ``gather_max_in_flight=depth`` no forward all-gather carries more than ``depth`` buckets and
+    each starts no earlier than the one before it. A fence XLA dropped (a barrier whose fence
+    output nothing reads) lets it combine the gathers of buckets read far apart into one."""
+    from jax_drain import models, plan
+    from jax_drain.planner.schedule import parse_schedule
+
+    config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=128)
+    mesh = plan.gpu_mesh((8,), ("data",))
+    params, loss = models.abstract_params(config), models.make_loss(config)
+    batch = models.example_batch(config, 8)
+    sync = jd.GradSync(params, mesh, bucket_size=40_000, order=jd.grad_ready_order(loss, params, batch))
+    shards = sync.pack_shards([jax.ShapeDtypeStruct(c.global_shard_shape(k), c.layout.buckets[k].dtype)
+                               for c, k in sync.flat_chains])
+    step = jax.jit(_compat.shard_map(zero3.value_and_grad(sync, loss, gather_max_in_flight=depth), mesh=mesh,
+                                     in_specs=(sync.shard_specs(), P("data")), out_specs=(P(), sync.shard_specs())))
+    sched = parse_schedule(step.lower(shards, batch).compile().as_text())
+    forward = sorted((c for c in sched.collectives if c.kind == "all-gather" and c.in_scope("jax_drain/gather")
+                      and "transpose(" not in c.op_name), key=lambda c: c.start)
+    buckets = [name for c in forward for name in c.op_names]
+    assert len(buckets) == len(set(buckets)) == sync.num_buckets  # each bucket gathered once in forward
+    assert max(len(c.op_names) for c in forward) <= depth, [c.op_names for c in forward]
+
+
 # -- the train step ------------------------------------------------------------------------------
 
 
