@@ -91,7 +91,7 @@ def fence(after: Any, x: X) -> X:
     return jax.tree.unflatten(treedef, out)
 
 
-def after(value: jax.Array, x: jax.Array) -> jax.Array:
+def after(value: jax.Array, x: jax.Array, *, whole: bool = False) -> jax.Array:
     """``x``, bit for bit, computed from ``value``: whatever reads the result waits for ``value``.
 
     A data dependency for where :func:`fence`'s barrier would be dropped: XLA removes an
@@ -101,12 +101,17 @@ def after(value: jax.Array, x: jax.Array) -> jax.Array:
     false is OR-ed into ``x``'s bits. It costs an elementwise pass over ``x``: for small arrays
     (a parameter shard before its all-gather), where XLA must not start early.
 
+    ``whole``: compare the largest of ``value``'s bit patterns instead of its first element,
+    for a ``value`` split over automatic mesh axes (GSPMD), whose first element lives on one
+    device: a local reduction and a one-element all-reduce instead of moving that element.
+
     Example::
 
         >>> x = after(jnp.ones(4), jnp.arange(3.0))   # [0., 1., 2.], available after jnp.ones(4)
     """
-    token = jnp.ravel(value)[0]
-    bits = jax.lax.bitcast_convert_type(token, _UNSIGNED[token.dtype.itemsize])
+    unsigned = _UNSIGNED[value.dtype.itemsize]
+    bits = (jnp.max(jax.lax.bitcast_convert_type(value, unsigned)) if whole
+            else jax.lax.bitcast_convert_type(jnp.ravel(value)[0], unsigned))
     never = bits == bits + 1
     extra = tuple(a for a in _compat.varying_axes(never) if a not in _compat.varying_axes(x))
     if extra:  # keep x's type: a flag equal along the axes x does not vary along

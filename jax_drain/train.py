@@ -153,13 +153,13 @@ class TrainConfig:
             (``jax.checkpoint``) blocks of the loss (:func:`jax_drain.remat_groups`); a bucket
             closes early at each block's end, so each block's buckets are complete when its
             backward ends. ``None``: bucket sizes alone. ``"auto"`` (default): ``"remat"``
-            unless ``shard_params`` or whole-parameter ownership (whose buckets balance over the
-            owners instead): at one bucket size the drained step's temp memory is lower
-            with it (compile-only 8xH100, ``gpt-blocks``: 432 against 468 MiB at 40M-element
-            buckets, 160 against 198 at 10M), while ZeRO-3, which gathers all of a block's
-            buckets for its rematerialised backward, gains at 10M (288 against 370) but loses
-            at 40M (746 against 590). A loss without remat blocks has none to follow, and a
-            scanned stack's layer buckets hold one layer each already.
+            unless whole-parameter ownership (whose buckets balance over the owners instead):
+            at one bucket size the drained step's temp memory is lower with it (compile-only
+            8xH100, ``gpt-blocks``: 432 against 468 MiB at 40M-element buckets, 160 against 198
+            at 10M), and so is ZeRO-3's, whose rematerialised backward then gathers each bucket
+            in one block only (464 against 516 at 40M, 250 against 296 at 10M; ``gpt-tied``
+            504 against 632, 288 against 354). A loss without remat blocks has none to follow,
+            and a scanned stack's layer buckets hold one layer each already.
         ownership: ``"element"``: each device updates a contiguous slice of every bucket (``tx``
             must be element-wise, :class:`~jax_drain.DistributedOptimizer`); ``"param"``: each
             device updates whole parameters (:mod:`jax_drain.ownership`: Muon, Adafactor, LAMB,
@@ -796,7 +796,7 @@ class TrainStep:
         groups = None
         boundaries = config.bucket_boundaries
         if boundaries == "auto":
-            boundaries = None if config.shard_params or self.ownership == "param" else "remat"
+            boundaries = None if self.ownership == "param" else "remat"
         if stacked is None and boundaries == "remat":
             groups = remat_groups(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
                                   mesh=mesh, in_specs=(self._param_specs, self._batch_spec),

@@ -61,11 +61,13 @@ gathering, and checkpoints move between ZeRO-3 and replicated parameters in both
 
 Measured (``benchmarks/memory.py``, compile-only 8xH100, strategy ``zero3+drain``): on
 ``gpt-blocks`` (403M params, 8 remat blocks) arguments 100 MiB against 772 MiB replicated, temp
-352 MiB at 25 buckets and 226 MiB at 49; XLA's own FSDP (``gspmd_fsdp``) takes 578 MiB temp with
-default flags and 210 MiB with its best ones (+100 MiB arguments). Few large buckets cost more
-(3.1 GiB at 2 buckets): a bucket spanning several remat blocks is gathered in each of them. On
-the scanned preset (``gpt-blocks-scan``, 66 layer buckets) temp is 180 MiB against 196 MiB for
-``gspmd_fsdp`` with its best flags (both +100 MiB arguments).
+278 MiB at 25 buckets and 206 MiB at 49; XLA's own FSDP (``gspmd_fsdp``) takes 578 MiB temp with
+default flags and 210 MiB with its best ones (+100 MiB arguments). Reducing with
+``fp32_accum_streamed`` (a chunk of scratch per bucket instead of the all-to-all's whole bucket)
+takes 196 and 164 MiB. Few large buckets cost more (1.6 GiB at 1 or 2 buckets): a block's
+rematerialised backward gathers all of its buckets. On the scanned preset (``gpt-blocks-scan``,
+66 layer buckets) temp is 180 MiB against 196 MiB for ``gspmd_fsdp`` with its best flags (both
++100 MiB arguments).
 
 Example (inside ``shard_map``)::
 
@@ -324,7 +326,7 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
 
     def forward(shard, fence):
         if fence is not None:
-            shard = after(fence, shard)
+            shard = after(fence, shard, whole=bool(sync.auto_axes))
         return sync.on_local_blocks(gather_pieces, (shard_spec,), piece_specs)(shard)
 
     def reduce(pieces, residual=None):

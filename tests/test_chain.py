@@ -195,15 +195,17 @@ def test_other_buckets_wait_for_the_layer_loop_on_a_hand_written_tensor_parallel
 ], ids=["float32", "bfloat16", "int32", "bool"])
 @pytest.mark.parametrize("value", [np.float32(np.nan), np.float32(-np.inf), np.uint8(255), jnp.bfloat16(-0.0)],
                          ids=["nan", "-inf", "uint8", "bf16"])
-def test_after_returns_x_bit_for_bit_computed_from_value(x, value):
+@pytest.mark.parametrize("whole", [False, True], ids=["first", "whole"])
+def test_after_returns_x_bit_for_bit_computed_from_value(x, value, whole):
     """``drain.after``: every bit of ``x`` kept, whatever ``value`` holds, and ``value`` still read
     by the program XLA compiles (the data dependency a barrier would lose)."""
     from jax_drain.drain import after
 
-    out = jax.jit(after)(jnp.asarray([value, value]), jnp.asarray(x))
+    fn = jax.jit(lambda v, x: after(v, x, whole=whole))
+    out = fn(jnp.asarray([value, value]), jnp.asarray(x))
     assert out.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(x).view(np.uint8))
-    hlo = jax.jit(after).lower(jnp.asarray([value, value]), jnp.asarray(x)).compile().as_text()
+    hlo = fn.lower(jnp.asarray([value, value]), jnp.asarray(x)).compile().as_text()
     assert re.search(r"compare\(", hlo), hlo
 
 

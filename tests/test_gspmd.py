@@ -667,7 +667,8 @@ def test_shard_params_gathers_no_weight_over_the_model_axis_on_the_gpu_compiler(
         assert c.bytes == 2 * sum(sizes[k] for k in named), (c.op_names, c.bytes)
         for k in named:
             count[k] += 1
-    assert min(count) >= 2, count  # in forward and again in its block's backward
+    # In forward and again in its block's backward; the last block's backward may reuse its forward gather.
+    assert min(count) >= 1 and sum(c < 2 for c in count) <= 1, count
     assert {c.kind for c in sched.collectives if c.group_size == model} == {"all-reduce"}
     assert not [c for c in sched.collectives if c.group_size == data * model and c.kind != "all-reduce"]
     for k, size in enumerate(sizes):

@@ -337,8 +337,9 @@ def test_scan_layers_needs_a_scanned_loss():
 
 def test_buckets_follow_the_remat_blocks_by_default():
     """A remat model's buckets each hold one block's parameters (or only those outside every
-    block), so each block's buckets are complete when its backward ends; ZeRO-3 keeps the sizes
-    alone unless asked, and an unknown setting is refused."""
+    block), so each block's buckets are complete when its backward ends, with ZeRO-3 too;
+    whole-parameter ownership keeps the sizes alone unless asked, and an unknown setting is
+    refused."""
     config = dataclasses.replace(CONFIG, num_layers=3, remat=True)
     model = GPT(config, rngs=nnx.Rngs(0))
     batch = _batches(1, config=config)[0]
@@ -354,9 +355,9 @@ def test_buckets_follow_the_remat_blocks_by_default():
     by_default = groups()
     assert all(len(g) == 1 for g in by_default) and set().union(*by_default) == {"0", "1", "2", None}
     assert any(len(g) > 1 for g in groups(bucket_boundaries=None))  # sizes alone mix blocks here
-    assert any(len(g) > 1 for g in groups(shard_params=True))
-    # Asked for, it is used with ZeRO-3 and with whole-parameter ownership too.
-    assert all(len(g) == 1 for g in groups(shard_params=True, bucket_boundaries="remat"))
+    assert all(len(g) == 1 for g in groups(shard_params=True))
+    assert any(len(g) > 1 for g in groups(shard_params=True, bucket_boundaries=None))
+    # Asked for, it is used with whole-parameter ownership too.
     assert all(len(g) == 1 for g in groups(ownership="param", bucket_boundaries="remat"))
     with pytest.raises(ValueError, match="bucket_boundaries must be"):
         jd.TrainConfig(bucket_boundaries="layers")
