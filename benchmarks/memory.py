@@ -23,6 +23,9 @@ Parameter sharding (ZeRO-3), where the point is argument memory, not temp:
   scanned stack (``StrategyUnavailable``): recorded as an unavailable row. ``+blocks``: no bucket
   spans two remat blocks (``TrainConfig(bucket_boundaries="remat")``), the bucket size chosen for
   the requested count with the blocks' boundaries counted (``fp32_accum+drain+blocks`` likewise).
+* ``fp32_accum_streamed+drain+zero3``: ``zero3+drain`` reducing with the drained
+  ``fp32_accum_streamed`` chain: the same wire bytes and float32 sums, a chunk of scratch per
+  bucket instead of the all-to-all's whole bucket.
 * ``gspmd_fsdp``: params and gradients sharded by annotations, XLA gathers (planner
   ``gspmd_fsdp``), XLA's default flags; ``gspmd_fsdp+best_flags``: the same with the flag set
   that had the lowest temp + arguments in ``benchmarks/fsdp_baseline.py``
@@ -69,7 +72,10 @@ STRATEGIES = (
 )
 DEPTH_STRATEGIES = ("fp32_accum+drain2", "fp32_accum+drain4")
 DEPTH_COUNTS = (14, 28)  # bucket counts of DEPTH_STRATEGIES (zero3+drainK runs at every count)
-ZERO3_STRATEGIES = ("zero3+drain", "zero3+drain2", "zero3+drain+blocks")
+ZERO3_STRATEGIES = ("zero3+drain", "zero3+drain2", "zero3+drain+blocks", "fp32_accum_streamed+drain+zero3")
+#: The ZeRO-3 rows compared with XLA's FSDP: the all-to-all chain and the streamed one (the same
+#: wire bytes and float32 sums, a chunk of scratch instead of a bucket).
+ZERO3_VS_FSDP = ("zero3+drain", "fp32_accum_streamed+drain+zero3")
 FSDP_STRATEGIES = ("gspmd_fsdp", "gspmd_fsdp+best_flags")
 #: The parameter-sharding table's rows: replicated params (jax_drain's ZeRO-2), ZeRO-3, XLA's FSDP.
 SHARDING_STRATEGIES = ("fp32_accum+drain",) + ZERO3_STRATEGIES + FSDP_STRATEGIES
@@ -196,6 +202,10 @@ def sharding_markdown(rows: list[dict]) -> str:
            "all-gathered at its first use (inside each remat block: gathered again in the backward), "
            "gradients through the drained fp32_accum chain, one / two buckets in flight (`drain2` compiled "
            "with `xla_gpu_experimental_parallel_collective_overlap_limit=2`).",
+           "* `fp32_accum_streamed+drain+zero3`: `zero3+drain` with the gradients through the drained "
+           "`fp32_accum_streamed` chain (`TrainConfig(shard_params=True, reduce=\"fp32_accum_streamed\")`): "
+           "the same bf16 wire bytes and float32 sums, each bucket reduced in `axis_size - 1` point-to-point "
+           "steps with a chunk of scratch instead of the all-to-all's whole bucket.",
            "* `zero3+drain+blocks`: `zero3+drain` with no bucket spanning two remat blocks "
            "(`TrainConfig(bucket_boundaries=\"remat\")`), the bucket size chosen for the requested count with "
            "the blocks' boundaries counted.",
@@ -276,15 +286,20 @@ def sharding_targets(rows: list[dict]) -> list[str]:
                              f"{mib(rep['argument_bytes'])} MiB = {ratio:.3f} (target <= 0.2): {verdict}")
             else:
                 lines.append(f"    args ratio: no fp32_accum+drain row at {c} buckets")
-            for s, f in fsdp.items():
-                if f is None or _unavailable(f):
-                    lines.append(f"    temp+args vs {s}: no {s} row")
+            for name in ZERO3_VS_FSDP:
+                z = pick(name, c)
+                if z is None or _unavailable(z):
+                    lines.append(f"    temp+args {name}: no row at {c} buckets")
                     continue
-                mine, theirs = ta(r), ta(f)
-                verdict = (f"met ({mib(theirs - mine)} MiB under)" if mine <= theirs
-                           else f"MISSED by {mib(mine - theirs)} MiB (+{(mine / theirs - 1) * 100:.0f}%)")
-                lines.append(f"    temp+args zero3+drain {mib(mine)} MiB vs {s} {mib(theirs)} MiB = "
-                             f"{mine / theirs:.2f} (target <= 1): {verdict}")
+                for s, f in fsdp.items():
+                    if f is None or _unavailable(f):
+                        lines.append(f"    temp+args vs {s}: no {s} row")
+                        continue
+                    mine, theirs = ta(z), ta(f)
+                    verdict = (f"met ({mib(theirs - mine)} MiB under)" if mine <= theirs
+                               else f"MISSED by {mib(mine - theirs)} MiB (+{(mine / theirs - 1) * 100:.0f}%)")
+                    lines.append(f"    temp+args {name} {mib(mine)} MiB ({z['num_buckets']} buckets) vs {s} "
+                                 f"{mib(theirs)} MiB = {mine / theirs:.2f} (target <= 1): {verdict}")
             for other in ("zero3+drain2", "zero3+drain+blocks"):
                 z = pick(other, c)
                 if z and not _unavailable(z):
@@ -392,6 +407,7 @@ def plot_sharding(rows: list[dict], presets: list[str], axes) -> None:
               "zero3+drain": dict(color="tab:red", ls="-", marker="s"),
               "zero3+drain2": dict(color="tab:orange", ls="-", marker="^"),
               "zero3+drain+blocks": dict(color="tab:purple", ls="--", marker="s"),
+              "fp32_accum_streamed+drain+zero3": dict(color="tab:brown", ls="-", marker="D"),
               "gspmd_fsdp": dict(color="black", ls=":"),
               "gspmd_fsdp+best_flags": dict(color="tab:green", ls="-.")}
     for ax, preset in zip(axes, presets):
