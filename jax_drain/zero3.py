@@ -282,14 +282,14 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
 
 def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
     """``gather(shard, dummy, fence) -> pieces`` for bucket ``k`` of ``chain``: forward, the
-    all-gather of ``shard`` (computed from ``fence``: :func:`~jax_drain.drain.after`) cut into the bucket's pieces (a whole leaf
-    in its shape, a split leaf's piece flat; typed as varying along the data axes so ``jax.grad``
-    gives local gradients); backward, the pieces' gradient laid back into the whole bucket, as
-    ``dummy``'s cotangent. For a layer chain (inside a scan body; ``shard`` is one layer's row)
-    the backward reduce-scatters the bucket there and then (mode ``mode``, divided by
-    ``divisor``) and the cotangent is the float32 shard: the stacked gradient is never formed;
-    with error feedback (``residual``: the layer's row of the bucket's residual) the residual is
-    added as it is sent, and the new one is ``residual``'s cotangent.
+    all-gather of ``shard`` (computed from ``fence``: :func:`~jax_drain.drain.after`) cut into the
+    bucket's pieces (a whole leaf in its shape, a split leaf's piece flat; typed as varying along
+    the data axes so ``jax.grad`` gives local gradients); backward, the pieces' gradient laid back
+    into the whole bucket, as ``dummy``'s cotangent. For a layer chain (inside a scan body;
+    ``shard`` is one layer's row) the backward reduce-scatters the bucket there and then (mode
+    ``mode``, divided by ``divisor``) and the cotangent is the float32 shard: the stacked gradient
+    is never formed; with error feedback (``residual``: the layer's row of the bucket's residual)
+    the residual is added as it is sent, and the new one is ``residual``'s cotangent.
 
     Called from the ``"gspmd"`` step's data-parallel region, both directions run on local blocks
     in the sync's nested region (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`): the shard
