@@ -69,26 +69,23 @@ def sequenced_map(
     return tuple(outputs)
 
 
-def fence(after: Any, x: X) -> X:
-    """``x``, fenced behind every array of ``after``: what reads the result waits for ``after``.
+def fence(behind: Any, x: X) -> X:
+    """``x``, fenced behind every array of ``behind``: what reads the result waits for ``behind``.
 
     ``jax.lax.optimization_barrier`` types all its outputs as varying along every manual axis
-    any operand varies along. Where ``after`` varies along axes some leaves of ``x`` do not (a
+    any operand varies along. Where ``behind`` varies along axes some leaves of ``x`` do not (a
     model-sharded shard fencing a model-replicated gradient), those leaves wait instead for a
-    one-element token of ``after`` made equal along those axes (a scalar ``pmax``), so each
+    one-element token of ``behind`` made equal along those axes (a scalar ``pmax``), so each
     leaf keeps its type. Values pass through unchanged.
     """
     leaves, treedef = jax.tree.flatten(x)
-    deps = jax.tree.leaves(after)
+    deps = jax.tree.leaves(behind)
     dep_axes = frozenset().union(*(_compat.varying_axes(d) for d in deps))
     if all(dep_axes <= _compat.varying_axes(leaf) for leaf in leaves):
-        return jax.lax.optimization_barrier((after, x))[1]
+        return jax.lax.optimization_barrier((behind, x))[1]
     token = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in deps)
-    out = []
-    for leaf in leaves:
-        extra = tuple(a for a in _compat.varying_axes(token) if a not in _compat.varying_axes(leaf))
-        out.append(jax.lax.optimization_barrier((jax.lax.pmax(token, extra) if extra else token, leaf))[1])
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [jax.lax.optimization_barrier((_typed_for(token, leaf), leaf))[1]
+                                        for leaf in leaves])
 
 
 def after(value: jax.Array, x: jax.Array, *, whole: bool = False) -> jax.Array:
@@ -112,15 +109,19 @@ def after(value: jax.Array, x: jax.Array, *, whole: bool = False) -> jax.Array:
     unsigned = _UNSIGNED[value.dtype.itemsize]
     bits = (jnp.max(jax.lax.bitcast_convert_type(value, unsigned)) if whole
             else jax.lax.bitcast_convert_type(jnp.ravel(value)[0], unsigned))
-    never = bits == bits + 1
-    extra = tuple(a for a in _compat.varying_axes(never) if a not in _compat.varying_axes(x))
-    if extra:  # keep x's type: a flag equal along the axes x does not vary along
-        never = jax.lax.pmax(never.astype(jnp.uint8), extra).astype(bool)
+    never = _typed_for((bits == bits + 1).astype(jnp.uint8), x)  # 0 for every bit pattern
     if x.dtype == jnp.bool_:
-        return x | never
+        return x | never.astype(bool)
     x_bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
     return jax.lax.bitcast_convert_type(x_bits | never.astype(x_bits.dtype), x.dtype)
 
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _typed_for(token: jax.Array, x: jax.Array) -> jax.Array:
+    """``token`` made equal (``pmax``) along the manual axes it varies along and ``x`` does not,
+    so that what is computed from both keeps ``x``'s type."""
+    extra = tuple(a for a in _compat.varying_axes(token) if a not in _compat.varying_axes(x))
+    return jax.lax.pmax(token, extra) if extra else token
 

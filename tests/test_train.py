@@ -337,9 +337,8 @@ def test_scan_layers_needs_a_scanned_loss():
 
 def test_buckets_follow_the_remat_blocks_by_default():
     """A remat model's buckets each hold one block's parameters (or only those outside every
-    block), so each block's buckets are complete when its backward ends, with ZeRO-3 too;
-    whole-parameter ownership keeps the sizes alone unless asked, and an unknown setting is
-    refused."""
+    block), so each block's buckets are complete when its backward ends, with ZeRO-3 too; asked
+    for, they are used with whole-parameter ownership too, and an unknown setting is refused."""
     config = dataclasses.replace(CONFIG, num_layers=3, remat=True)
     model = GPT(config, rngs=nnx.Rngs(0))
     batch = _batches(1, config=config)[0]
