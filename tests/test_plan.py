@@ -625,3 +625,24 @@ def test_gspmd_mesh_step_plans_like_the_manual_one_above_its_floor():
     assert abs(gspmd.temp_bytes - manual.temp_bytes) < 4 * min(sync.bucket_sizes)
     assert gspmd.buckets_in_flight == 1 and {c.kind for c in gspmd.collectives} == {"all-to-all", "all-reduce"}
     assert not reports["manual", "no_comm"].collectives and not reports["gspmd", "no_comm"].collectives
+
+
+@pytest.mark.parametrize("order", [(2, 0, 1), (2, 1, 0)])
+def test_build_user_step_lays_a_scanned_stack_out_in_the_given_order(order):
+    """``order`` reaches the in-scan sync as it reaches GradSync: one layer's buckets follow it."""
+    import jax_drain as jd
+    from conftest import data_mesh
+
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    params = {"blocks": {"a": sds(3, 16, 16), "b": sds(3, 16, 16)}, "head": sds(16, 4)}
+
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, q: (jnp.tanh(h @ q["a"]) @ q["b"], None), x, p["blocks"])
+        return jnp.mean(h @ p["head"])
+
+    batch = sds(16, 16)
+    stacked = jd.stacked_leaves(loss, params, batch)
+    _, _, sync = plan.build_user_step("fp32_accum+drain", loss, params, batch, data_mesh(8), bucket_size=1,
+                                      stacked=stacked, order=order)
+    layers = sync.chains[0]
+    assert [layers.leaves[b.leaves[0]] for b in layers.layout.buckets] == [i for i in order if i != 2]

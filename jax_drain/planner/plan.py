@@ -639,6 +639,7 @@ def build_user_step(
         return step, (params, batch), None
 
     scanned = stacked is not None and any(jax.tree.leaves(stacked))
+    order = grad_ready_order(loss_fn, params, batch) if order is None else order
     extra: dict[str, Any] = {}
     if strategy.split:
         cls = ScanGradSync if scanned and strategy.name != "no_comm" else GradSync
@@ -650,7 +651,7 @@ def build_user_step(
     if scanned and strategy.name != "no_comm":
         scan_sync = ScanGradSync(
             params, mesh, axis=axis, stacked=stacked, bucket_size=bucket_size,
-            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, **extra,
+            reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
         )
         if strategy.zero3:
             return _zero3_step(scan_sync, loss_fn, batch, axis)
@@ -658,7 +659,6 @@ def build_user_step(
                                          out_specs=(P(), scan_sync.shard_specs())))
         return step, (params, batch), scan_sync
 
-    order = grad_ready_order(loss_fn, params, batch) if order is None else order
     if strategy.blocks:
         extra["bucket_groups"] = remat_groups(loss_fn, params, batch)
     sync = GradSync(
