@@ -108,6 +108,20 @@ class BucketChain:
         """Elements (per row) of each bucket one device holds after the reduce-scatter."""
         return tuple(size // self.axis_size for size in self.layout.bucket_sizes)
 
+    @property
+    def loop_dispatch(self) -> tuple[int, ...]:
+        """The order a layer chain sends one layer's buckets in, inside the backward scan: the
+        smallest (in bytes) first, ties in gradient-ready order.
+
+        Every layer bucket must finish within its iteration, and the drain sends them one at a
+        time, so whatever is sent last waits for all the others. Sending the large weight matrices'
+        buckets last lets XLA compute their gradients last, just before they are sent, from the
+        layer's (smaller) activations, instead of keeping finished large gradients while the
+        chain works through the rest: on ``gpt-blocks-scan`` (compile-only 8xH100) temp falls
+        from 200 to 170 MiB at 66 buckets, for ZeRO-1 and ZeRO-3 alike."""
+        sizes = [n * jnp.dtype(b.dtype).itemsize for n, b in zip(self.layout.bucket_sizes, self.layout.buckets)]
+        return tuple(sorted(range(len(sizes)), key=lambda k: sizes[k]))
+
     def bucket_scope(self, k: int) -> str:
         return f"{self.scope}/bucket{k}"
 
@@ -278,12 +292,15 @@ class BucketChain:
     def reduce_scatter(
         self, buckets: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
         bucket_ids: Callable[[int], int] | None = None, residuals: Sequence[jax.Array] | None = None,
+        dispatch: Sequence[int] | None = None,
     ) -> Any:
         """Reduces ``buckets`` in order, at most ``max_in_flight`` unfinished (the drain).
 
         ``bucket_ids(i)`` names input ``i``'s bucket (default ``i``), for chains that send one
-        bucket several times (each layer's bucket ``k`` after backward). With ``residuals`` (one
-        per input, see :meth:`reduce_bucket`) returns ``(shards, new_residuals)``.
+        bucket several times (each layer's bucket ``k`` after backward). ``dispatch``: the input
+        positions in the order they are sent (default: as given); the shards come back in input
+        order either way. With ``residuals`` (one per input, see :meth:`reduce_bucket`) returns
+        ``(shards, new_residuals)``.
         """
         ids = bucket_ids or (lambda i: i)
 
@@ -292,17 +309,18 @@ class BucketChain:
             with jax.named_scope(self.bucket_scope(ids(i))):
                 return self.reduce_bucket(bucket, ids(i), mode=mode, divisor=divisor, residual=residual)
 
-        return _with_residuals(reduce_one, list(buckets), residuals, max_in_flight)
+        return _with_residuals(reduce_one, list(buckets), residuals, max_in_flight, dispatch)
 
     def reduce_scatter_leaves(
         self, leaves: Sequence[jax.Array], *, mode: str, divisor: int, max_in_flight: int | None,
-        residuals: Sequence[jax.Array] | None = None,
+        residuals: Sequence[jax.Array] | None = None, dispatch: Sequence[int] | None = None,
     ) -> Any:
         """Reduces the buckets of the chain's ``leaves`` (its layout's leaves, in order) in
-        dispatch order, at most ``max_in_flight`` unfinished. The fence holds each bucket's
-        source leaves and the bucket is assembled after it, so a leaf split over several buckets
-        is sliced just in time rather than copied into every bucket up front. With ``residuals``
-        (one per bucket) returns ``(shards, new_residuals)``."""
+        bucket order (or ``dispatch``'s, as :meth:`reduce_scatter`), at most ``max_in_flight``
+        unfinished. The fence holds each bucket's source leaves and the bucket is assembled
+        after it, so a leaf split over several buckets is sliced just in time rather than copied
+        into every bucket up front. With ``residuals`` (one per bucket) returns ``(shards,
+        new_residuals)``."""
         leaves = list(leaves)
         sources = [tuple(leaves[j] for j in bucket.leaves) for bucket in self.layout.buckets]
 
@@ -313,7 +331,7 @@ class BucketChain:
             with jax.named_scope(self.bucket_scope(k)):
                 return self.reduce_bucket(bucket, k, mode=mode, divisor=divisor, residual=residual)
 
-        return _with_residuals(reduce_one, sources, residuals, max_in_flight)
+        return _with_residuals(reduce_one, sources, residuals, max_in_flight, dispatch)
 
     def as_leaf(self, value: jax.Array, placement: Any) -> jax.Array:
         """``value``, a gathered piece of ``placement``'s leaf, invariant along the chain's spec
@@ -386,17 +404,25 @@ def build_chain(
 
 
 def _with_residuals(reduce_one: Callable, items: list, residuals: Sequence[Any] | None,
-                    max_in_flight: int | None) -> Any:
-    """``sequenced_map`` of ``reduce_one`` over ``(item, residual)`` pairs: the shards, or
-    ``(shards, residuals)`` when ``residuals`` are given (each residual travels with its bucket
-    through the fence)."""
+                    max_in_flight: int | None, dispatch: Sequence[int] | None = None) -> Any:
+    """``sequenced_map`` of ``reduce_one(i, (item, residual))`` over the inputs in ``dispatch``
+    order (default: as given), returned in input order: the shards, or ``(shards, residuals)``
+    when ``residuals`` are given (each residual travels with its bucket through the fence)."""
+    if residuals is not None:
+        residuals = list(residuals)
+        if len(residuals) != len(items):
+            raise ValueError(f"expected {len(items)} error-feedback residuals, one per bucket, got {len(residuals)}")
+    order = list(range(len(items))) if dispatch is None else list(dispatch)
+    if sorted(order) != list(range(len(items))):
+        raise ValueError(f"dispatch must be a permutation of range({len(items)}), got {order}")
+    pairs = [(items[i], None if residuals is None else residuals[i]) for i in order]
+    sent = sequenced_map(lambda n, pair: reduce_one(order[n], pair), pairs, max_in_flight)
+    out: list[Any] = [None] * len(items)
+    for i, result in zip(order, sent):
+        out[i] = result
     if residuals is None:
-        return sequenced_map(reduce_one, [(item, None) for item in items], max_in_flight)
-    residuals = list(residuals)
-    if len(residuals) != len(items):
-        raise ValueError(f"expected {len(items)} error-feedback residuals, one per bucket, got {len(residuals)}")
-    pairs = sequenced_map(reduce_one, list(zip(items, residuals)), max_in_flight)
-    return tuple(shard for shard, _ in pairs), tuple(residual for _, residual in pairs)
+        return tuple(out)
+    return tuple(shard for shard, _ in out), tuple(residual for _, residual in out)
 
 
 class ChainedSync:

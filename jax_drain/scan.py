@@ -150,10 +150,11 @@ class ScanGradSync(ChainedSync):
             one layer's slice of the stacked leaves and, separately, to the other leaves.
         reduce, drain, average, max_in_flight: as for :class:`~jax_drain.GradSync`. The drain
             chains one layer's buckets inside the loop body (each iteration's collectives finish
-            in that iteration) and the non-stacked buckets after backward.
+            in that iteration), smallest first (:attr:`BucketChain.loop_dispatch
+            <jax_drain.BucketChain.loop_dispatch>`), and the non-stacked buckets after backward.
         order: leaf indices of ``params`` in gradient-ready order
             (:func:`jax_drain.grad_ready_order`); it is filtered to the stacked leaves (their
-            order within a layer) and to the others. ``None``: reverse leaf order.
+            order within a layer's buckets) and to the others. ``None``: reverse leaf order.
         outer_axis: hierarchical reduction as for :class:`~jax_drain.GradSync`: each shard,
             per layer inside the loop too, is all-reduced over these axes in float32.
         param_specs, tensor_parallel: tensor parallel, as for :class:`~jax_drain.GradSync`. With
@@ -238,6 +239,7 @@ class ScanGradSync(ChainedSync):
             (chain("dense", SCOPE_PREFIX, self._rest, None),) if self._rest else ()
         )
         self._hook = _make_hook(self._reduce_layer)
+        self._bucket_hook = _make_hook(self._reduce_layer_buckets)
 
     # -- the sync's output type -------------------------------------------------------------
     @property
@@ -523,22 +525,42 @@ class ScanGradSync(ChainedSync):
         in the backward scan body in the data-parallel region, where the gradients are whole
         along the model axes: the chain runs on their local blocks in the nested region manual
         over them, so no model-sharded gradient is gathered."""
-        chain = self._layers
+        self.check_varying(list(layer_grads), indices=self._stacked)
         grad_specs = tuple(_layer_spec(self.placements[i].spec) for i in self._stacked)
+        return self._run_layer_chain(self._layers.reduce_scatter_leaves, layer_grads, grad_specs, residuals)
+
+    def _reduce_layer_buckets(self, buckets: Sequence[jax.Array], residuals: Sequence[jax.Array] | None) -> Any:
+        """:meth:`_reduce_layer` for one layer's gradient already laid out in its whole buckets
+        (ZeRO-3: each gather's backward lays its bucket's pieces back)."""
+        grad_specs = (_layer_spec(self._layers.bucket_spec),) * self._layers.num_buckets
+        return self._run_layer_chain(self._layers.reduce_scatter, buckets, grad_specs, residuals)
+
+    def _run_layer_chain(self, reduce_scatter: Callable, grads: Sequence[jax.Array], grad_specs: tuple,
+                         residuals: Sequence[jax.Array] | None) -> Any:
+        """The layer chain's drained ``reduce_scatter`` of one layer's ``grads`` on local blocks."""
+        chain = self._layers
         shard_specs = (_layer_spec(chain.shard_spec),) * chain.num_buckets
 
         def reduce(grads, residuals=None):
-            self.check_varying(list(grads), indices=self._stacked)
-            out = chain.reduce_scatter_leaves(
-                list(grads), mode=self.reduce, divisor=self._divisor, max_in_flight=self.max_in_flight,
-                residuals=residuals)
+            out = reduce_scatter(list(grads), mode=self.reduce, divisor=self._divisor,
+                                 max_in_flight=self.max_in_flight, residuals=residuals, dispatch=chain.loop_dispatch)
             return tuple(out) if residuals is None else (tuple(out[0]), tuple(out[1]))
 
         if residuals is None:
-            return self.on_local_blocks(reduce, (grad_specs,), shard_specs)(tuple(layer_grads))
+            return self.on_local_blocks(reduce, (grad_specs,), shard_specs)(tuple(grads))
         residual_specs = (_layer_spec(chain.bucket_spec),) * chain.num_buckets
         return self.on_local_blocks(reduce, (grad_specs, residual_specs), (shard_specs, residual_specs))(
-            tuple(layer_grads), tuple(residuals))
+            tuple(grads), tuple(residuals))
+
+    def _layer_bucket_zeros(self) -> tuple[jax.Array, ...]:
+        """One layer's whole buckets as zeros, typed as its local gradient buckets (every model
+        rank's with gspmd): what ZeRO-3's layer gathers return their gradients as the cotangent of."""
+        chain = self._layers
+        axes = self.region_axes(chain.axes + chain.outer_axes + chain.spec_axes)
+        return tuple(
+            _compat.mark_varying(jnp.zeros(self.region_shape(chain.global_bucket_shape(k, self.mesh),
+                                                             chain.bucket_spec)[1:], chain.layout.buckets[k].dtype), axes)
+            for k in range(chain.num_buckets))
 
     def _reduce_rest(
         self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array],
@@ -776,9 +798,11 @@ class _ScanRewriter:
             others_layer, rows_layer, dummies_layer, residuals_layer = x
             rest = iter(others_layer)
             xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
+            # The gathers return the layer's bucket gradients as these zeros' cotangents; the hook's
+            # backward reduces them through the layer chain, drained like the in-scan sync's.
+            buckets = sync._bucket_hook(sync._layer_bucket_zeros(), dummies_layer, residuals_layer)
             outs = zero3.replay_gathered(sync, body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
-                                         dummies_layer, depth=self.gather_depth, reshard=self.reshard, mode=sync.reduce,
-                                         divisor=sync._divisor, residuals=residuals_layer or None)
+                                         buckets, depth=self.gather_depth, reshard=self.reshard)
             return list(outs[:num_carry]), list(outs[num_carry:])
 
         carry, ys = jax.lax.scan(

@@ -38,9 +38,11 @@ summed before its one reduce-scatter; a layout whose buckets follow the blocks a
 Scanned stacks (:class:`~jax_drain.ScanGradSync`): the layer scan is rewritten as for the
 in-scan sync (:mod:`jax_drain.scan`), its scanned inputs being each layer bucket's parameter
 rows ``[num_layers, shard]``; the body is replayed with the same first-use gathers (inside the
-block's remat region), and each layer bucket's gradient is reduce-scattered in its backward
-iteration, so neither the gathered stack nor the stacked gradient is ever formed. The other
-leaves (embeddings, final norm) are gathered once, before the loss.
+block's remat region), and in each backward iteration the gathers' backward rules hand the
+layer's bucket gradients to the layer chain, which reduce-scatters them drained, in its loop
+order (:attr:`BucketChain.loop_dispatch <jax_drain.BucketChain.loop_dispatch>`), as the
+in-scan sync does: neither the gathered stack nor the stacked gradient is ever formed. The
+other leaves (embeddings, final norm) are gathered once, before the loss.
 
 Supported: data-parallel axes (``axis``, several axes) and ``outer_axis`` (HSDP: shards are
 replicated along it, the gradient shard is all-reduced over it as usual), and tensor parallel by
@@ -170,9 +172,8 @@ def value_and_grad(
     ``error_feedback`` (:mod:`jax_drain.feedback`): the function takes this device's residuals
     after the shards, ``(param_shards, residuals, *args)``, and returns ``(value, grad_shards,
     new_residuals)``. Each bucket is sent with its residual added, once per reduce-scatter: per
-    micro-batch, the residual passing from one to the next. A scanned stack's layer bucket is
-    reduced in the backward rule of its gather, so it must be read by one ``jax.checkpoint``
-    region of the layer body (else the residual would be added twice; refused).
+    micro-batch, the residual passing from one to the next (a bucket read in several places is
+    still sent once, its gradients summed).
     """
     check_shardable(sync)
     check_microbatches(microbatches)
@@ -249,7 +250,7 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     def differentiable(dummies):
         refs = [ParamRef(i) for i in range(len(local))]
         outs = replay_gathered(sync, closed.jaxpr, closed.consts, [*refs, *flat_args], sync.flat_chains, shards,
-                               dummies, depth=depth, reshard=reshard, mode=sync.reduce, divisor=divisor)
+                               dummies, depth=depth, reshard=reshard)
         step = split_output(jax.tree.unflatten(out_tree, outs), has_aux, has_state)
         return step.total, step
 
@@ -280,16 +281,13 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     return step, list(shards), list(new)
 
 
-def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, divisor: int) -> Callable:
+def _make_gather(sync: ChainedSync, chain: BucketChain, k: int) -> Callable:
     """``gather(shard, dummy, fence) -> pieces`` for bucket ``k`` of ``chain``: forward, the
     all-gather of ``shard`` (computed from ``fence``: :func:`~jax_drain.drain.after`) cut into the
     bucket's pieces (a whole leaf in its shape, a split leaf's piece flat; typed as varying along
     the data axes so ``jax.grad`` gives local gradients); backward, the pieces' gradient laid back
-    into the whole bucket, as ``dummy``'s cotangent. For a layer chain (inside a scan body;
-    ``shard`` is one layer's row) the backward reduce-scatters the bucket there and then (mode
-    ``mode``, divided by ``divisor``) and the cotangent is the float32 shard: the stacked gradient
-    is never formed; with error feedback (``residual``: the layer's row of the bucket's residual)
-    the residual is added as it is sent, and the new one is ``residual``'s cotangent.
+    into the whole bucket, as ``dummy``'s cotangent. For a layer chain (inside a scan body)
+    ``shard`` is one layer's row and ``dummy`` one layer's bucket.
 
     Called from the ``"gspmd"`` step's data-parallel region, both directions run on local blocks
     in the sync's nested region (:meth:`~jax_drain.chain.ChainedSync.on_local_blocks`): the shard
@@ -305,7 +303,7 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
     # slices of the stacked leaves: their specs lose the leading (layer) entry.
     row = (lambda spec: P(*tuple(spec)[1:])) if in_loop else (lambda spec: spec)
     piece_specs = tuple(row(pl.spec) for pl in placements)
-    shard_spec = row(chain.shard_spec)
+    shard_spec, bucket_spec = row(chain.shard_spec), row(chain.bucket_spec)
 
     def gather_pieces(shard):
         with jax.named_scope(scope):
@@ -329,26 +327,15 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int, *, mode: str, di
             shard = after(fence, shard, whole=bool(sync.auto_axes))
         return sync.on_local_blocks(gather_pieces, (shard_spec,), piece_specs)(shard)
 
-    def reduce(pieces, residual=None):
-        with jax.named_scope(chain.bucket_scope(k)):
-            return chain.reduce_bucket(lay_back(pieces), k, mode=mode, divisor=divisor, residual=residual)
-
     @jax.custom_vjp
-    def gather(shard, dummy, fence, residual):
+    def gather(shard, dummy, fence):
         return forward(shard, fence)
 
-    def fwd(shard, dummy, fence, residual):
-        return forward(shard, fence), residual
+    def fwd(shard, dummy, fence):
+        return forward(shard, fence), None
 
-    def bwd(residual, pieces):
-        if not in_loop:
-            return None, sync.on_local_blocks(lay_back, (piece_specs,), chain.bucket_spec)(tuple(pieces)), None, None
-        if residual is None:
-            return None, sync.on_local_blocks(reduce, (piece_specs,), shard_spec)(tuple(pieces)), None, None
-        bucket_spec = row(chain.bucket_spec)
-        shard, new = sync.on_local_blocks(reduce, (piece_specs, bucket_spec), (shard_spec, bucket_spec))(
-            tuple(pieces), residual)
-        return None, shard, None, new
+    def bwd(_, pieces):
+        return None, sync.on_local_blocks(lay_back, (piece_specs,), bucket_spec)(tuple(pieces)), None
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -364,15 +351,13 @@ class ParamRef:
 
 def replay_gathered(sync: ChainedSync, jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any],
                     refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array], dummies: Sequence[jax.Array],
-                    *, depth: int, reshard: bool, mode: str, divisor: int,
-                    residuals: Sequence[jax.Array] | None = None) -> list:
+                    *, depth: int, reshard: bool) -> list:
     """Evaluates ``jaxpr`` with each :class:`ParamRef` input gathered from its bucket at its
     first use (inside the remat regions it is read in, with ``reshard``): bucket ``refs[b]`` of
-    ``sync``'s chains from ``shards[b]``, its gradient leaving as ``dummies[b]``'s cotangent
-    (a layer bucket's new error-feedback residual as ``residuals[b]``'s). The one replay an
-    unrolled model's loss and a scanned model's layer body share."""
-    replay = _GatherReplay(sync, refs, shards, dummies, depth=depth, reshard=reshard, mode=mode, divisor=divisor,
-                           residuals=residuals)
+    ``sync``'s chains from ``shards[b]``, its local gradient (summed over every region that
+    reads it) leaving as ``dummies[b]``'s cotangent. The one replay an unrolled model's loss and
+    a scanned model's layer body share."""
+    replay = _GatherReplay(sync, refs, shards, dummies, depth=depth, reshard=reshard)
     return replay.run(jaxpr, consts, invals)
 
 
@@ -387,15 +372,10 @@ class _GatherReplay:
     """
 
     def __init__(self, sync: ChainedSync, refs: Sequence[tuple[BucketChain, int]], shards: Sequence[jax.Array],
-                 dummies: Sequence[jax.Array], *, depth: int, reshard: bool, mode: str, divisor: int,
-                 residuals: Sequence[jax.Array] | None = None):
+                 dummies: Sequence[jax.Array], *, depth: int, reshard: bool):
         self.refs, self.reshard = list(refs), reshard
         self.shards, self.dummies, self.depth = list(shards), list(dummies), depth
-        self.residuals = [None] * len(self.refs) if residuals is None else list(residuals)
-        # Bucket -> the region (remat equation, None: the top level) whose gather took its residual.
-        self.fed: dict[int, Any] = {}
-        self.region_key: Any = None
-        self.gathers = [_make_gather(sync, chain, k, mode=mode, divisor=divisor) for chain, k in self.refs]
+        self.gathers = [_make_gather(sync, chain, k) for chain, k in self.refs]
         # Which of ``refs`` hold each parameter leaf (by its index in the full tree).
         self.leaf_buckets: dict[int, list[int]] = {}
         for b, (chain, k) in enumerate(self.refs):
@@ -432,14 +412,7 @@ class _GatherReplay:
         if b not in self.gathered:
             i = len(self.uses)
             fence = self.uses[i - self.depth] if self.depth is not None and i >= self.depth else None
-            residual = self.residuals[b]
-            if residual is not None:
-                if self.fed.setdefault(b, self.region_key) is not self.region_key:
-                    raise ValueError(
-                        f"error feedback with shard_params=True: layer bucket {self.refs[b][1]} is read by two "
-                        "jax.checkpoint regions of the layer body, so its residual would be added to each of their "
-                        "gradients. Put each layer's parameters under one remat region, or use error_feedback=False")
-            self.gathered[b] = self.gathers[b](self.shards[b], self.dummies[b], fence, residual)
+            self.gathered[b] = self.gathers[b](self.shards[b], self.dummies[b], fence)
             self.uses.append(None)
             self.pending.append(i)
         return self.gathered[b]
@@ -492,7 +465,7 @@ class _GatherReplay:
         def region(uses: list, values: list) -> list:
             inner = _GatherReplay.__new__(_GatherReplay)
             inner.__dict__.update(self.__dict__)
-            inner.gathered, inner.uses, inner.pending, inner.region_key = {}, list(uses), [], eqn
+            inner.gathered, inner.uses, inner.pending = {}, list(uses), []
             full = list(raw)
             for i, x in zip(carried, values):
                 full[i] = x

@@ -51,11 +51,20 @@ def _scan_loss(p, x):
     return jnp.mean(h @ p["head"])
 
 
-def _traced(sync: jd.GradSync | jd.ScanGradSync, loss, optimizer: jd.DistributedOptimizer | None = None):
-    """The jaxpr of one sync (and optimizer update) inside shard_map, on abstract inputs."""
+def _traced(sync: jd.GradSync | jd.ScanGradSync, loss, optimizer: jd.DistributedOptimizer | None = None, *,
+            shard_params: bool = False):
+    """The jaxpr of one sync (and optimizer update) inside shard_map, on abstract inputs; with
+    ``shard_params``, of ZeRO-3's gradient step instead (:mod:`jax_drain.zero3`)."""
     params = sync.abstract_params
     n = sync.data_size
     batch = SDS((2 * n, params["embed"].shape[0] if "embed" in params else 3), jnp.float32)
+    if shard_params:
+        from jax_drain import zero3
+
+        shards = sync.pack_shards([SDS(c.global_shard_shape(k), c.layout.buckets[k].dtype) for c, k in sync.flat_chains])
+        fn = _compat.shard_map(zero3.value_and_grad(sync, loss), mesh=sync.mesh,
+                               in_specs=(sync.shard_specs(), sync.batch_spec), out_specs=(P(), sync.shard_specs()))
+        return jax.make_jaxpr(fn)(shards, batch).jaxpr
 
     def step(p, *rest):
         if optimizer is None:
@@ -148,15 +157,53 @@ def test_expert_and_dense_chains_are_each_drained_and_independent(depth, cpu_dev
     assert not any(deps[label] & set(_bucket_labels(dense)) for label in _bucket_labels(expert))
 
 
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
 @pytest.mark.parametrize("depth", [1, 2, None])
-def test_layer_chain_inside_the_backward_scan(depth, cpu_devices):
+def test_layer_chain_inside_the_backward_scan(depth, shard_params, cpu_devices):
+    """One layer's buckets are chained inside the backward scan in the chain's loop order
+    (smallest first, not the layout's), by the in-scan sync and by ZeRO-3, whose gathers'
+    backward rules hand the layer's buckets to the same chain."""
     sync = jd.ScanGradSync(SCANNED, _mesh((8,), ("data",), cpu_devices), stacked=lambda path: path.startswith("blocks/"),
                            bucket_size=100, drain=depth is not None, max_in_flight=depth)
     layers, rest = sync.chains
     assert layers.num_buckets >= 3 and layers.num_layers == 3
-    deps = collective_dependencies(_traced(sync, _scan_loss))
-    assert_chained(deps, _bucket_labels(layers), depth)
+    assert list(layers.loop_dispatch) != list(range(layers.num_buckets))
+    deps = collective_dependencies(_traced(sync, _scan_loss, shard_params=shard_params))
+    assert_chained(deps, [layers.bucket_scope(k) for k in layers.loop_dispatch], depth)
     assert_chained(deps, _bucket_labels(rest), depth)
+
+
+def test_loop_dispatch_sends_the_fewest_bytes_first_ties_in_layout_order(cpu_devices):
+    tree = {"blocks": {"a": SDS((3, 40, 13), jnp.float32), "b": SDS((3, 40, 13), jnp.bfloat16),
+                       "c": SDS((3, 7), jnp.float32), "d": SDS((3, 2, 40), jnp.float32)}}
+    sync = jd.ScanGradSync(tree, _mesh((8,), ("data",), cpu_devices), stacked=lambda path: True, bucket_size=1,
+                           order=(0, 1, 2, 3))
+    (layers,) = sync.chains
+    assert [layers.layout.slots[b.leaves[0]].path for b in layers.layout.buckets] == [
+        "blocks/a", "blocks/b", "blocks/c", "blocks/d"]
+    # c and d: 128 float32 elements each once padded; b: a's elements in half the bytes.
+    assert layers.loop_dispatch == (2, 3, 1, 0)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reduce_scatter_sends_in_dispatch_order_and_returns_in_bucket_order(depth, cpu_devices):
+    sync = jd.GradSync(DENSE, _mesh((8,), ("data",), cpu_devices), bucket_size=100, max_in_flight=depth)
+    (chain,) = sync.chains
+    dispatch = tuple(reversed(range(chain.num_buckets)))
+    rng = np.random.default_rng(3)
+    buckets = [jnp.asarray(rng.normal(size=(8, n)), jnp.float32) for n in chain.layout.bucket_sizes]
+
+    def reduce(order):
+        fn = lambda b: chain.reduce_scatter([x[0] for x in b], mode="fp32_accum", divisor=1,  # noqa: E731
+                                            max_in_flight=depth, dispatch=order)
+        return _compat.shard_map(fn, mesh=sync.mesh, in_specs=(P("data"),), out_specs=P("data"))
+
+    for got, want in zip(jax.jit(reduce(dispatch))(buckets), jax.jit(reduce(None))(buckets)):
+        np.testing.assert_array_equal(got, want)
+    deps = collective_dependencies(jax.make_jaxpr(reduce(dispatch))(buckets).jaxpr)
+    assert_chained(deps, [chain.bucket_scope(k) for k in dispatch], depth)
+    with pytest.raises(ValueError, match="dispatch must be a permutation"):
+        jax.make_jaxpr(reduce((0,) * chain.num_buckets))(buckets)
 
 
 @pytest.mark.parametrize("depth", [1, None])

@@ -325,8 +325,8 @@ def test_train_config_refuses_what_shard_params_does_not_support():
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_scanned_stack_gathers_each_layer_in_the_body_and_equals_scangradsync(mesh_kind, reshard):
     """nnx.scan over remat'ed blocks (models.GPT): each layer's buckets gathered from their rows
-    inside the scan body and reduce-scattered in its backward iteration; the shards equal
-    ScanGradSync's bit for bit."""
+    inside the scan body and reduce-scattered by the layer chain in its backward iteration; the
+    shards equal ScanGradSync's bit for bit."""
     from jax_drain import models
 
     config = models.GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=8, vocab_size=50, scan_layers=True)
@@ -360,6 +360,34 @@ def test_gpu_scanned_stack_gathers_one_layer_per_iteration():
     assert sharded.temp_bytes <= 1.05 * replicated.temp_bytes  # one layer gathered at a time
     loops = [c for c in sharded.all_collectives if c.kind == "all-gather" and c.in_scope("jax_drain/gather/layers")]
     assert loops, "no layer gather in the compiled program"
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("strategy", ["zero3+drain", "fp32_accum_streamed+drain+zero3"])
+def test_gpu_scanned_stack_sends_one_layer_bucket_at_a_time_in_loop_order(strategy):
+    """Compile-only 8xH100, models.GPT under nnx.scan: in the backward loop body each layer
+    bucket is sent on its own (no collective carries two buckets) in the layer chain's loop order,
+    one bucket in flight. Reduced in each gather's own backward rule, unchained, the streamed
+    steps of all four buckets were combined into one collective per step."""
+    import re
+
+    from jax_drain import models, plan
+    from jax_drain.planner.schedule import parse_schedule
+
+    config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=None, scan_layers=True)
+    step, args, sync = plan.build_step(strategy, config, plan.gpu_mesh((8,), ("data",)), bucket_size=40_000)
+    layers = sync.chains[0]
+    assert layers.num_layers == 4 and layers.num_buckets >= 3
+    compiled = step.lower(*args).compile()
+    sched = parse_schedule(compiled.as_text())
+    body = sorted((c for c in sched.collectives if c.computation != sched.entry and c.in_scope("jax_drain/layers/bucket")),
+                  key=lambda c: (c.computation, c.start))
+    buckets = [{int(m.group(1)) for n in c.op_names if (m := re.search(r"jax_drain/layers/bucket(\d+)/", n))}
+               for c in body]
+    assert all(len(b) == 1 for b in buckets), [c.op_names for c in body]
+    sent = [b for (b,) in buckets]
+    assert [k for i, k in enumerate(sent) if i == 0 or sent[i - 1] != k] == list(layers.loop_dispatch)
+    assert plan.plan(step, *args, scope="jax_drain/").chains_in_flight["layers"] == 1
 
 
 def test_update_model_writes_the_trained_params_into_an_nnx_model():
