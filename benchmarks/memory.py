@@ -19,8 +19,8 @@ Parameter sharding (ZeRO-3), where the point is argument memory, not temp:
 
 * ``zero3+drain`` / ``zero3+drain2`` / ``zero3+drain+blocks``: :mod:`jax_drain.zero3` (planner strategy ``zero3``):
   each device holds its shard of every parameter bucket, gathered at its first use; gradients
-  reduced by the drained ``fp32_accum`` chain, one (two) buckets in flight. Refused on a
-  scanned stack (``StrategyUnavailable``): recorded as an unavailable row. ``+blocks``: no bucket
+  reduced by the drained ``fp32_accum`` chain, one (two) buckets in flight; on a scanned
+  stack each layer gathered and reduced inside the scan body. ``+blocks``: no bucket
   spans two remat blocks (``TrainConfig(bucket_boundaries="remat")``), the bucket size chosen for
   the requested count with the blocks' boundaries counted (``fp32_accum+drain+blocks`` likewise).
 * ``fp32_accum_streamed+drain+zero3``: ``zero3+drain`` reducing with the drained

@@ -68,8 +68,8 @@ default flags and 210 MiB with its best ones (+100 MiB arguments). Reducing with
 ``fp32_accum_streamed`` (a chunk of scratch per bucket instead of the all-to-all's whole bucket)
 takes 196 and 164 MiB. Few large buckets cost more (1.6 GiB at 1 or 2 buckets): a block's
 rematerialised backward gathers all of its buckets. On the scanned preset (``gpt-blocks-scan``,
-66 layer buckets) temp is 180 MiB against 196 MiB for ``gspmd_fsdp`` with its best flags (both
-+100 MiB arguments).
+66 layer buckets) temp is 170 MiB (streamed 172) against 196 MiB for ``gspmd_fsdp`` with its
+best flags (both +100 MiB arguments).
 
 Example (inside ``shard_map``)::
 
