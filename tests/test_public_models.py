@@ -12,9 +12,14 @@ its ``batch_stats`` as mutable model state; its parameters and statistics must b
 rounding bounds of one device on whole batches, a NaN batch must leave them bit for bit and a
 checkpoint must hold the statistics.
 
+Flax's ``examples/nnx_toy_examples/06_scan_over_layers.py`` (``ScanMLP``: ``nnx.scan`` over blocks
+of Linear, BatchNorm and Dropout made by ``nnx.vmap``) is found as a scanned stack by
+``TrainConfig(scan_layers=None)``; ZeRO-3 must train it exactly as ZeRO-1 does, and its
+per-device BatchNorm statistics in training mode must be refused.
+
 Flax's pip package has no ``examples/``, and CI has neither network nor a flax checkout, so the
 models' source is found only through ``JAX_DRAIN_FLAX_EXAMPLES``: a flax checkout (a directory
-holding ``examples/lm1b/models.py`` and ``examples/imagenet/models.py``) or a flax git directory,
+holding the example files named in ``FILES``) or a flax git directory,
 bare or not (the files are then read from its ``HEAD`` with ``git show``), or beside an editable
 flax install. Without it these tests skip, saying so; nothing else in the suite depends on them.
 Run them with::
@@ -44,7 +49,8 @@ from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding
                      sgd_rounding_bounds)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py")
+FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py",
+         "examples/nnx_toy_examples/06_scan_over_layers.py")
 ENV = "JAX_DRAIN_FLAX_EXAMPLES"
 
 
@@ -181,3 +187,53 @@ def test_flax_imagenet_resnet_unchanged_trains_its_batch_stats_like_one_device(f
     # The trained variables evaluate with the module itself, on the running statistics.
     logits = run["module"].apply(trained, run["data"][0]["image"], train=False)
     assert logits.shape == (ex.BATCH, ex.CLASSES) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.public_model
+def test_flax_nnx_scan_over_layers_unchanged_trains_the_same_under_zero3(flax_source, cpu_devices):
+    """Flax's ``ScanMLP``, unchanged: found as a scanned stack, whose layer buckets ZeRO-3 gathers
+    and reduces inside the scan body; 3 Adam steps give ZeRO-1's parameters bit for bit (the same
+    buckets, the same reduction), and the loss falls. In training mode its BatchNorm (no
+    ``axis_name``) keeps statistics per device, which is refused, sharded or not."""
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    path = pathlib.Path(flax_source) / "examples/nnx_toy_examples/06_scan_over_layers.py"
+    spec = importlib.util.spec_from_file_location("flax_scan_over_layers", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # builds and prints its own small model
+    dim, rng = 16, np.random.default_rng(5)
+    batches = [{"x": rng.normal(size=(32, dim)).astype(np.float32), "y": rng.normal(size=(32, dim)).astype(np.float32)}
+               for _ in range(3)]
+    loss = lambda model, batch: jax.numpy.mean((model(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+    mesh = Mesh(np.array(cpu_devices), ("data",))
+
+    def step_for(model, **config):
+        return jd.make_train_step(model, loss, optax.adam(1e-2), mesh,
+                                  jd.TrainConfig(bucket_size=100, scan_layers=None, **config), example_batch=batches[0])
+
+    def trained(shard_params):
+        model = example.ScanMLP(dim, n_layers=3, rngs=nnx.Rngs(0))
+        model.eval()  # running statistics, no dropout
+        step = step_for(model, shard_params=shard_params)
+        assert isinstance(step.sync, jd.ScanGradSync) and step.sync.layer_layout.num_buckets >= 2
+        state, losses = step.init(), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics.loss))
+        step.update_model(model, state)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param)), losses
+
+    (zero1, losses1), (zero3, losses3) = trained(False), trained(True)
+    assert losses3 == losses1 and losses1[-1] < losses1[0]
+    for a, b in zip(jax.tree.leaves(zero3), jax.tree.leaves(zero1)):
+        np.testing.assert_array_equal(a, b)
+    untrained = nnx.to_pure_dict(nnx.state(example.ScanMLP(dim, n_layers=3, rngs=nnx.Rngs(0)), nnx.Param))
+    assert not np.array_equal(zero3["layers"]["linear"]["kernel"], untrained["layers"]["linear"]["kernel"])
+    for shard_params in (False, True):
+        step = step_for(example.ScanMLP(dim, n_layers=3, rngs=nnx.Rngs(0)), shard_params=shard_params)
+        with pytest.raises(ValueError, match="axis_name='data'"):
+            step(step.init(), batches[0])
