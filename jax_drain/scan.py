@@ -634,10 +634,11 @@ def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: A
 
 
 def _make_hook(reduce_layer: Callable[[Sequence[jax.Array], Sequence[jax.Array] | None], Any]):
-    """``hook(layer_leaves, layer_dummies, layer_residuals) -> layer_leaves``: an identity whose
-    backward rule reduce-scatters the layer's gradient and returns the shards as the dummies'
-    cotangent and, with error feedback (``layer_residuals`` not empty), the new residuals as
-    the residuals' cotangent."""
+    """``hook(layer, layer_dummies, layer_residuals) -> layer``: an identity whose backward rule
+    reduce-scatters the layer's gradient (``reduce_layer`` of ``layer``'s cotangent: its leaves',
+    or with ZeRO-3 its whole buckets') and returns the shards as the dummies' cotangent and,
+    with error feedback (``layer_residuals`` not empty), the new residuals as the residuals'
+    cotangent."""
 
     @jax.custom_vjp
     def hook(layer: list, dummies: tuple, residuals: tuple) -> list:
