@@ -596,6 +596,15 @@ class ChainedSync:
         device's shard, or with ``"gspmd"`` every model rank's shard of this data rank's."""
         return self.region_shape(chain.global_shard_shape(k), chain.shard_spec)
 
+    def bucket_zeros(self, chain: BucketChain, k: int) -> jax.Array:
+        """Zeros shaped and typed as this device's local gradient of ``chain``'s bucket ``k``
+        inside the step's :meth:`shard_map` (every model rank's with ``"gspmd"``; one layer's
+        for a layer chain): what ZeRO-3's gathers return their bucket's gradient as the
+        cotangent of."""
+        shape = self.region_shape(chain.global_bucket_shape(k, self.mesh), chain.bucket_spec)
+        zeros = jnp.zeros(shape if chain.num_layers is None else shape[1:], chain.layout.buckets[k].dtype)
+        return _compat.mark_varying(zeros, self.region_axes(chain.axes + chain.outer_axes + chain.spec_axes))
+
     def in_data_region(self) -> bool:
         """Whether this runs in the ``"gspmd"`` step's data-parallel region: the data axes bound
         (manual), the others not (automatic); then :meth:`manual_region` leads to local blocks."""

@@ -552,16 +552,6 @@ class ScanGradSync(ChainedSync):
         return self.on_local_blocks(reduce, (grad_specs, residual_specs), (shard_specs, residual_specs))(
             tuple(grads), tuple(residuals))
 
-    def _layer_bucket_zeros(self) -> tuple[jax.Array, ...]:
-        """One layer's whole buckets as zeros, typed as its local gradient buckets (every model
-        rank's with gspmd): what ZeRO-3's layer gathers return their gradients as the cotangent of."""
-        chain = self._layers
-        axes = self.region_axes(chain.axes + chain.outer_axes + chain.spec_axes)
-        return tuple(
-            _compat.mark_varying(jnp.zeros(self.region_shape(chain.global_bucket_shape(k, self.mesh),
-                                                             chain.bucket_spec)[1:], chain.layout.buckets[k].dtype), axes)
-            for k in range(chain.num_buckets))
-
     def _reduce_rest(
         self, rest_grads: Sequence[jax.Array], layer_shards: Sequence[jax.Array],
         residuals: Sequence[jax.Array] | None = None,
@@ -801,7 +791,8 @@ class _ScanRewriter:
             xs_layer = [zero3.ParamRef(position_of[k]) if k in position_of else next(rest) for k in range(len(xs))]
             # The gathers return the layer's bucket gradients as these zeros' cotangents; the hook's
             # backward reduces them through the layer chain, drained like the in-scan sync's.
-            buckets = sync._bucket_hook(sync._layer_bucket_zeros(), dummies_layer, residuals_layer)
+            zeros = tuple(sync.bucket_zeros(chain, k) for k in range(chain.num_buckets))
+            buckets = sync._bucket_hook(zeros, dummies_layer, residuals_layer)
             outs = zero3.replay_gathered(sync, body.jaxpr, body.consts, [*consts, *carry, *xs_layer], refs, rows_layer,
                                          buckets, depth=self.gather_depth, reshard=self.reshard)
             return list(outs[:num_carry]), list(outs[num_carry:])

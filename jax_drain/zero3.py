@@ -240,10 +240,7 @@ def replay_value_and_grad(sync, loss_fn, has_aux, has_state, shards, state, args
     out_tree = jax.tree.structure(out_shape)
     # One bucket-shaped zero per bucket (every model rank's, with gspmd): the gathers' backward
     # rules return each bucket's local gradient as its cotangent (XLA drops the zeros: nothing reads them).
-    dummies = [_compat.mark_varying(jnp.zeros(sync.region_shape(chain.global_bucket_shape(k, sync.mesh),
-                                                                chain.bucket_spec), chain.layout.buckets[k].dtype),
-                                    sync.region_axes(chain.axes + chain.outer_axes + chain.spec_axes))
-               for chain, k in sync.flat_chains]
+    dummies = [sync.bucket_zeros(chain, k) for chain, k in sync.flat_chains]
 
     divisor = sync.data_size if sync.average else 1
 
