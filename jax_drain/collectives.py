@@ -159,6 +159,21 @@ def mean_predivisor(count: int) -> int:
     return 1 << (int(count) - 1).bit_length()
 
 
+def _sum_over_senders(received: jax.Array) -> jax.Array:
+    """``received.sum(axis=0)`` as one add per sender (row), in sender order.
+
+    Why not ``jnp.sum``: XLA:CPU turns a sum over an all-to-all's result into adds of the received
+    pieces, but a sum over the *predivided* result becomes a reduce fusion over a concatenated copy,
+    about 7x slower (a 1M-element float32 bucket on 8 devices: 45 against 6 ms), which made the
+    default train step 1.4x slower. Written as adds it is one elementwise pass on XLA:CPU and
+    XLA:GPU alike, with or without the division.
+    """
+    total = received[0]
+    for row in range(1, received.shape[0]):
+        total = total + received[row]
+    return total
+
+
 def _check_predivide(predivide: int) -> int:
     """Returns ``predivide`` if it is a power of two (the only divisors that round nothing)."""
     if isinstance(predivide, bool) or not isinstance(predivide, (int, np.integer)) or predivide < 1 \
@@ -234,7 +249,7 @@ def reduce_scatter_bucket(
         # Row j of `received` is device j's copy of the chunk this device owns.
         received = jax.lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0, tiled=True)
         # Divided after the wire, in float32: no narrow dtype's subnormals are involved.
-        shard = jnp.sum(_predivided(received.astype(jnp.float32), predivide), axis=0)
+        shard = _sum_over_senders(_predivided(received.astype(jnp.float32), predivide))
     # n / predivide is dyadic: this one rounding is dividing the undivided sum by n.
     return shard / (n / predivide) if average and n != predivide else shard
 
@@ -515,7 +530,7 @@ def _quantized_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPa
     with jax.named_scope("dequantize"):
         values = _dequantize(received, blocks, _row(blocks.splits, rank), _row(blocks.compact, rank), mode,
                              predivide)
-        return jnp.sum(values, axis=0)
+        return _sum_over_senders(values)
 
 
 def _quantized_streamed_reduce_scatter(bucket: jax.Array, axis: AxisName, blocks: BlockPartition, mode: str,

@@ -57,16 +57,30 @@ def sequenced_map(
     """``tuple(fn(k, x) for k, x in enumerate(inputs))`` with at most ``max_in_flight`` unfinished.
 
     Input ``k`` is fenced behind output ``k - max_in_flight``, so ``fn``'s work on input ``k``
-    cannot begin before output ``k - max_in_flight`` exists. ``None`` adds no fences.
+    cannot begin before output ``k - max_in_flight`` exists; where its type allows, that output
+    is returned through the same fence (its readers also wait for input ``k``, which keeps XLA
+    from dropping the fence). ``None`` adds no fences.
     """
     depth = check_max_in_flight(max_in_flight)
     outputs: list[Y] = []
     for k, x in enumerate(inputs):
         if depth is not None and k >= depth:
-            # Only the fenced input is used: the predecessor's consumers need not wait for it.
-            _, x = jax.lax.optimization_barrier((outputs[k - depth], x))
+            fenced, x = jax.lax.optimization_barrier((outputs[k - depth], x))
+            # The predecessor is returned through the barrier where that keeps its type: XLA's
+            # simplifier drops a barrier operand whose output nothing reads once the operand has
+            # no other reader left (it folds a reshape of a sum into its consumer, say), and the
+            # fence with it. A predecessor the barrier would type as varying along more axes (a
+            # gathered parameter fencing a shard) keeps its own value.
+            if _same_types(fenced, outputs[k - depth]):
+                outputs[k - depth] = fenced
         outputs.append(fn(k, x))
     return tuple(outputs)
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    """Whether every array of ``a`` varies along the same manual axes as its twin in ``b``."""
+    return all(_compat.varying_axes(x) == _compat.varying_axes(y)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def fence(behind: Any, x: X) -> X:

@@ -295,3 +295,34 @@ def test_fingerprint_names_every_placement(cpu_devices):
     assert jd.GradSync(DENSE, mesh, bucket_size=200).fingerprint != base
     assert jd.GradSync(DENSE, _mesh((4,), ("data",), cpu_devices), bucket_size=100).fingerprint != base
     assert jd.GradSync(DENSE, mesh, bucket_size=100, order=range(5)).fingerprint != base
+
+
+def test_sequenced_map_returns_each_fenced_predecessor_through_its_barrier_where_its_type_allows():
+    """XLA drops a barrier operand whose output nothing reads (once nothing else reads the
+    operand either), and the fence with it: so each predecessor is returned through the
+    barrier, unless the barrier would make it vary along an axis it does not."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+
+    def traced(x):
+        outs = jd.sequenced_map(lambda k, v: v * (k + 2), [x, x + 1, x + 2], 1)
+        return jax.lax.psum(jnp.concatenate(outs), "data")
+
+    jaxpr = jax.make_jaxpr(_compat.shard_map(traced, mesh=mesh, in_specs=P("data"), out_specs=P()))(jnp.arange(24.0))
+    (inner,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = inner.params["jaxpr"]
+    barriers = [e for e in body.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == 2
+    # Each barrier's first output (the fenced predecessor) is read: by the concatenate.
+    read = {v for e in body.eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+    assert all(b.outvars[0] in read for b in barriers)
+
+    # An invariant predecessor fencing a varying input keeps its own value (and type).
+    def gathered(x):
+        outs = jd.sequenced_map(lambda k, v: jax.lax.psum(v, "data"), [x, x + 1], 1)  # invariant results
+        return outs[0] + outs[1]
+
+    jaxpr = jax.make_jaxpr(_compat.shard_map(gathered, mesh=mesh, in_specs=P("data"), out_specs=P()))(jnp.arange(24.0))
+    (inner,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    (barrier,) = [e for e in inner.params["jaxpr"].eqns if e.primitive.name == "optimization_barrier"]
+    read = {v for e in inner.params["jaxpr"].eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+    assert barrier.outvars[0] not in read

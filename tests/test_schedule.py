@@ -233,6 +233,54 @@ def test_feeding_op_names_attribute_a_combined_unnamed_collective():
     assert replica_group_size("replica_groups={}") is None
 
 
+LOCAL_SUMS = """HloModule sums, is_scheduled=true
+
+%fused_reduce (p: bf16[8,256]) -> f32[256] {
+  %p = bf16[8,256]{1,0} parameter(0)
+  %cv = f32[8,256]{1,0} convert(%p)
+  %z = f32[] constant(0)
+  ROOT %r = f32[256]{0} reduce(%cv, %z), dimensions={0}, to_apply=%add
+}
+
+%fused_add (p: bf16[8,256]) -> f32[1,256] {
+  %p = bf16[8,256]{1,0} parameter(0)
+  %s0 = bf16[1,256]{1,0} slice(%p), slice={[0:1], [0:256]}
+  %s1 = bf16[1,256]{1,0} slice(%p), slice={[1:2], [0:256]}
+  %c0 = f32[1,256]{1,0} convert(%s0)
+  %c1 = f32[1,256]{1,0} convert(%s1)
+  ROOT %a = f32[1,256]{1,0} add(%c0, %c1)
+}
+
+%fused_half (p: bf16[8,256]) -> bf16[1,256] {
+  %p = bf16[8,256]{1,0} parameter(0)
+  %s0 = bf16[1,256]{1,0} slice(%p), slice={[0:1], [0:256]}
+  %s1 = bf16[1,256]{1,0} slice(%p), slice={[1:2], [0:256]}
+  ROOT %a = bf16[1,256]{1,0} add(%s0, %s1)
+}
+
+ENTRY %main (p0: bf16[8,256]) -> (f32[256], f32[1,256], bf16[1,256]) {
+  %p0 = bf16[8,256]{1,0} parameter(0)
+  %a0 = ((bf16[8,256]{1,0}), bf16[8,256]{1,0}) all-to-all-start(%p0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %a0d = bf16[8,256]{1,0} all-to-all-done(%a0)
+  %r = f32[256]{0} fusion(%a0d), kind=kLoop, calls=%fused_reduce
+  %a1 = ((bf16[8,256]{1,0}), bf16[8,256]{1,0}) all-to-all-start(%p0), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %a1d = bf16[8,256]{1,0} all-to-all-done(%a1)
+  %b1 = bf16[8,256]{1,0} bitcast(%a1d)
+  %s = f32[1,256]{1,0} fusion(%b1), kind=kLoop, calls=%fused_add
+  %a2 = ((bf16[8,256]{1,0}), bf16[8,256]{1,0}) all-to-all-start(%p0), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %a2d = bf16[8,256]{1,0} all-to-all-done(%a2)
+  %h = bf16[1,256]{1,0} fusion(%a2d), kind=kLoop, calls=%fused_half
+  ROOT %t = (f32[256]{0}, f32[1,256]{1,0}, bf16[1,256]{1,0}) tuple(%r, %s, %h)
+}
+"""
+
+
+def test_feeds_f32_sum_as_a_reduce_or_as_adds_but_not_in_the_wire_dtype():
+    sched = parse_schedule(LOCAL_SUMS)
+    got = {c.name: sched.feeds_f32_reduce(c) for c in sched.collectives}
+    assert got == {"a0": True, "a1": True, "a2": False}
+
+
 def test_shape_bytes_and_dtypes():
     assert shape_bytes("f32[]") == 4
     assert shape_bytes("bf16[128,1024]{1,0}") == 128 * 1024 * 2

@@ -434,11 +434,12 @@ class Schedule:
         return c.op_names or self.feeding_op_names(c)
 
     def feeds_f32_reduce(self, collective: Collective) -> bool:
-        """Whether the collective's result feeds a float32 reduction in its own computation.
+        """Whether the collective's result feeds a float32 sum in its own computation.
 
         Follows views of the result (bitcast, get-tuple-element, copy, reshape) to the first
-        instruction that computes a float32 value with a ``reduce`` (itself or fused inside):
-        the local fp32 sum after an all-to-all, for example.
+        instruction that computes a float32 value with a float32 ``reduce`` or ``add`` (itself or
+        fused inside): the local fp32 sum of the rows an all-to-all received, for example, which
+        the library writes as one add per sender.
         """
         instrs = self.computations[collective.computation]
         derived = {instrs[collective.done].name}
@@ -449,7 +450,7 @@ class Schedule:
                 derived.add(ins.name)
                 continue
             fused = [i for c in ins.called for i in self.computations.get(c, ())]
-            if "f32" in ins.dtype and any(i.opcode == "reduce" and i.dtype == "f32" for i in [ins, *fused]):
+            if "f32" in ins.dtype and any(i.opcode in ("reduce", "add") and i.dtype == "f32" for i in [ins, *fused]):
                 return True
         return False
 
