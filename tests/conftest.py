@@ -5,8 +5,11 @@ usable plugin they skip with the reason, unless ``CI=true`` or ``JAX_DRAIN_REQUI
 is set: then they fail, so that CI never passes with them silently skipped.
 """
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -16,6 +19,17 @@ os.environ["XLA_FLAGS"] = (
 _ACCELERATOR = os.environ.get("JAX_DRAIN_TEST_PLATFORM", "cpu").lower()
 _ACCELERATOR = "cuda" if _ACCELERATOR == "gpu" else _ACCELERATOR
 os.environ["JAX_PLATFORMS"] = "cpu" if _ACCELERATOR == "cpu" else f"cpu,{_ACCELERATOR}"
+
+# One persistent compilation cache per run, shared by the xdist workers (they inherit the
+# controller's environment): many tests build the same small steps, and XLA:CPU compiles
+# dominate the suite. Keyed by the program and the compile options, so a hit is the program
+# XLA would compile; a fresh directory per run keeps nothing between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="jax_drain_tests_cache_")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax_drain  # noqa: E402,F401  (before jax: no CUDA-plugin start-up lines on a machine without a GPU)
 

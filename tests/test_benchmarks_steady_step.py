@@ -1,0 +1,28 @@
+"""benchmarks/steady_step.py: every variant trains side by side and the table is written."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "steady_step.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("benchmark_steady_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_times_jit_and_the_default_side_by_side(tmp_path):
+    steady = _load()
+    assert steady.main(["--model", "gpt-132k", "--variants", "jit,default", "--rounds", "2",
+                        "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "steady_step.json").read_text())
+    assert [r["variant"] for r in rows] == ["jit", "default"]
+    jit, default = rows
+    assert jit["vs_jit"] == 1.0 and default["vs_jit"] == default["median_s"] / jit["median_s"] > 0
+    assert all(0 < r["min_s"] <= r["median_s"] for r in rows)
+    assert "| gpt-132k | default |" in (tmp_path / "steady_step.md").read_text()
