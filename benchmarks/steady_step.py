@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 import jax_drain as jd  # noqa: E402
 from jax_drain.models import GPT, GPTConfig  # noqa: E402
@@ -104,8 +104,9 @@ def measure(model_name: str, variants: list[str], rounds: int) -> list[dict[str,
             run, state = _jit_step(model, tx, NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
             place = NamedSharding(mesh, P("data"))
         elif name == "jit_1device":
-            run, state = _jit_step(model, tx, devices.flat[0], devices.flat[0])
-            place = devices.flat[0]
+            one = SingleDeviceSharding(devices.flat[0])
+            run, state = _jit_step(model, tx, one, one)
+            place = one
         else:
             run, state = _jd_step(model, tx, mesh, VARIANTS[name], batches[0])
             place = NamedSharding(mesh, P("data"))
