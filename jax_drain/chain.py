@@ -35,7 +35,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.feedback import error_feedback_specs
 from jax_drain.collectives import (
     QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, reduce_scatter_bucket,
     wire_values,
@@ -562,7 +561,7 @@ class ChainedSync:
         enter :meth:`manual_region` as their local blocks."""
         if residuals is None:
             return self.manual_region(self.reduce_scatter, (self.param_specs,), self.shard_specs())(grads)
-        specs = error_feedback_specs(self).residuals
+        specs = self.bucket_specs()
         fed = lambda g, r: self.reduce_scatter(g, residuals=r)  # noqa: E731
         return self.manual_region(fed, (self.param_specs, specs), (self.shard_specs(), specs))(grads, residuals)
 
@@ -629,6 +628,11 @@ class ChainedSync:
     def shard_specs(self) -> Any:
         """``PartitionSpec``s of the shards (the sync's output type), for ``shard_map`` out_specs."""
         return self.pack_shards([chain.shard_spec for chain, _ in self.flat_chains])
+
+    def bucket_specs(self) -> Any:
+        """``PartitionSpec``s of whole buckets (the sync's output type): each device's own bucket,
+        as error-feedback residuals hold it."""
+        return self.pack_shards([chain.bucket_spec for chain, _ in self.flat_chains])
 
     @functools.cached_property
     def description(self) -> list[dict[str, Any]]:

@@ -94,4 +94,4 @@ def init_error_feedback(sync: "ChainedSync") -> ErrorFeedback:
 
 def error_feedback_specs(sync: "ChainedSync") -> ErrorFeedback:
     """``shard_map`` specs of an :class:`ErrorFeedback` of ``sync``."""
-    return ErrorFeedback(sync.pack_shards([chain.bucket_spec for chain, _ in sync.flat_chains]), sync.fingerprint)
+    return ErrorFeedback(sync.bucket_specs(), sync.fingerprint)

@@ -75,6 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
+from jax_drain._tx_check import host_unflatten, random_steps, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
@@ -366,7 +367,6 @@ def adamw(
 
 _CHECK_AXIS = "jax_drain_check"  # the simulated devices' axis name
 _CHECK_DEVICES = 2
-_CHECK_SCALES = (1e-2, 1.0, 1e2, 1e4)  # one gradient scale per step: clip thresholds get crossed
 
 
 def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> None:
@@ -387,13 +387,9 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
         raise ValueError(_transform_hint(
             "tx computes differently at the parameters' real shapes than on the shrunken copy the check "
             "runs, so flat shards (whose shapes are neither) would not mean the same", difference))
-    rng = np.random.default_rng(0)
-    make = lambda scale: jax.tree.map(
-        lambda s: np.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), np.float32), abstract)
-    start, grads = make(1.0), [make(scale) for scale in _CHECK_SCALES]
-
+    start, grads = random_steps(abstract)
     try:
-        tree_updates = _updates_on_tree(tx, start, grads)
+        tree_updates = updates_on_tree(tx, start, grads)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
@@ -523,24 +519,6 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
     return None
 
 
-def _updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree], *,
-                     compiled: bool = False) -> list[PyTree]:
-    """Each step's updates of ``tx`` run on the parameter tree ``start``.
-
-    Eagerly by default: on arrays this small, dispatching each operation costs less than
-    compiling the steps, and the operations' executables are cached for the next check.
-    ``compiled``: one compiled update for every step, for transforms with loops (Muon's
-    Newton-Schulz ``fori_loop``), which compile afresh at each eager call."""
-    update = jax.jit(tx.update) if compiled else tx.update
-    tree = jax.tree.map(jnp.asarray, start)
-    state, steps = tx.init(tree), []
-    for g in grads:
-        updates, state = update(jax.tree.map(jnp.asarray, g), state, tree)
-        tree = optax.apply_updates(tree, updates)
-        steps.append(updates)
-    return steps
-
-
 def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
                        grads: Sequence[PyTree]) -> list[PyTree]:
     """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
@@ -563,7 +541,7 @@ def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layou
 
     per_device = jax.vmap(one_device, axis_name=_CHECK_AXIS)(_device_shards(layout, start),
                                                              [_device_shards(layout, g) for g in grads])
-    return [_host_unflatten(layout, step) for step in per_device]
+    return [host_unflatten(layout, step) for step in per_device]
 
 
 def _device_shards(layout: BucketLayout, tree: PyTree) -> tuple[np.ndarray, ...]:
@@ -577,16 +555,6 @@ def _device_shards(layout: BucketLayout, tree: PyTree) -> tuple[np.ndarray, ...]
             whole[p.offset:p.offset + p.size] = leaves[p.leaf][p.start:p.start + p.size]
         out.append(whole.reshape(_CHECK_DEVICES, -1))
     return tuple(out)
-
-
-def _host_unflatten(layout: BucketLayout, shards: Sequence[jax.Array]) -> PyTree:
-    """The parameter tree from ``[_CHECK_DEVICES, shard]`` buckets (``layout.unflatten``, on the host)."""
-    buckets = [np.asarray(s).reshape(-1) for s in shards]
-    leaves = [np.zeros((slot.size,), np.float32) for slot in layout.slots]
-    for bucket, whole in zip(layout.buckets, buckets):
-        for p in bucket.pieces:
-            leaves[p.leaf][p.start:p.start + p.size] = whole[p.offset:p.offset + p.size]
-    return jax.tree.unflatten(layout.treedef, [x.reshape(slot.shape) for x, slot in zip(leaves, layout.slots)])
 
 
 def _transform_hint(what: str, details: str) -> str:

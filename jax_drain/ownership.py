@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from jax_drain import _compat
+from jax_drain._tx_check import host_unflatten, random_steps, updates_on_tree
 from jax_drain.chain import BucketChain
 from jax_drain.layout import BucketLayout, leaf_paths
 
@@ -323,17 +324,12 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     """Raises ``ValueError`` unless ``tx`` run per owner on whole parameters gives what it gives
     on the whole tree: a few steps on a shrunken copy of ``params`` (every dimension at most 3),
     the leaves spread over two simulated owners."""
-    from jax_drain.optimizer import _CHECK_SCALES, _host_unflatten, _updates_on_tree  # the check's shared helpers
-
     owners = 2
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in np.shape(x)), jnp.float32),
                           params)
-    rng = np.random.default_rng(0)
-    make = lambda scale: jax.tree.map(  # noqa: E731
-        lambda s: np.asarray(rng.normal(size=s.shape) * scale * rng.uniform(0.5, 2.0), np.float32), shrunk)
-    start, grads = make(1.0), [make(scale) for scale in _CHECK_SCALES]
+    start, grads = random_steps(shrunk)
     try:
-        want = _updates_on_tree(tx, start, grads, compiled=True)
+        want = updates_on_tree(tx, start, grads, compiled=True)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
@@ -361,7 +357,7 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
         raise ValueError(f"tx fails on the parameters each device owns ({type(e).__name__}: {e})") from e
     per_owner = [[jnp.stack([owner[i] for owner in step]) for i in range(layout.num_buckets)] for step in per_owner]
     for step, (want_tree, got_shards) in enumerate(zip(want, per_owner)):
-        got_tree = _host_unflatten(layout, got_shards)
+        got_tree = host_unflatten(layout, got_shards)
         for path, w, g in zip(leaf_paths(shrunk), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
             w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
             if np.max(np.abs(g - w), initial=0.0) > rtol * np.max(np.abs(w), initial=0.0) + 1e-30:

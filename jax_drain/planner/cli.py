@@ -26,11 +26,12 @@ import jax
 
 from jax_drain import models
 from jax_drain.collectives import REDUCE_MODES
+from jax_drain.planner._report import Progress, total_buckets
 from jax_drain.planner.compare import (
-    DEFAULT_STRATEGIES, Comparison, _Progress, Row, abstract_tree, describe_model, largest_leaf, plan_model,
+    DEFAULT_STRATEGIES, Comparison, Row, abstract_tree, describe_model, largest_leaf, plan_model,
 )
 from jax_drain.planner.plan import (
-    SCOPE_PREFIX, Plan, Strategy, StrategyUnavailable, _num_buckets, plan, plan_preset, preset_config,
+    SCOPE_PREFIX, Plan, Strategy, StrategyUnavailable, plan, plan_preset, preset_config,
 )
 from jax_drain.planner.targets import GpuCompileUnavailable, gpu_devices, gpu_mesh, parse_topology
 
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = _compare_preset(args, strategies, options)
         else:
             name = strategies[0] if strategies else "fp32_accum+drain"
-            shown = _Progress(not args.quiet, 1, f"preset {args.preset} on {_devices(args)}")
+            shown = Progress(not args.quiet, 1, f"preset {args.preset} on {_devices(args)}")
             shown.compiling(0, name)
             try:
                 report = plan_preset(
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BaseException:
                 shown.failed()
                 raise
-            shown.compiled(report)
+            shown.compiled(report.temp_bytes)
         print(report)
         if args.json:
             with open(args.json, "w") as f:
@@ -336,7 +337,7 @@ def _plan_user_step(args: argparse.Namespace, strategies: list[str] | None, opti
     mesh = gpu_mesh((slices * hosts * gpus,), ("data",), target=args.target, topology=args.topology)
     rows = []
     names = (strategies or DEFAULT_STRATEGIES) if takes_strategy else ("step",)
-    shown = _Progress(not args.quiet, len(names), f"{args.step} on {_devices(args)}")
+    shown = Progress(not args.quiet, len(names), f"{args.step} on {_devices(args)}")
     for k, name in enumerate(names):
         kwargs = {**offered, **({"strategy": Strategy.parse(name)} if takes_strategy else {})}
         try:
@@ -350,12 +351,12 @@ def _plan_user_step(args: argparse.Namespace, strategies: list[str] | None, opti
         try:
             report = plan(step, *step_args, target=args.target, topology=args.topology,
                           compiler_options=options or None, scope=SCOPE_PREFIX,
-                          strategy=name, num_buckets=_num_buckets(sync) if hasattr(sync, "chains") else None,
+                          strategy=name, num_buckets=total_buckets(sync) if hasattr(sync, "chains") else None,
                           bucket_size=args.bucket_size)
         except BaseException:
             shown.failed()
             raise
-        shown.compiled(report)
+        shown.compiled(report.temp_bytes)
         rows.append(Row(name, report))
     return Comparison(tuple(rows), args.target, args.topology, mesh.size, args.step)
 
@@ -381,7 +382,7 @@ def _compare_preset(args: argparse.Namespace, strategies: list[str], options: di
     params = models.abstract_params(config)
     batch = models.example_batch(config, (args.micro_batch or 1) * slices * hosts * gpus)
     model = f"preset {args.preset}: {describe_model(params, batch)}"
-    shown = _Progress(not args.quiet, len(strategies), f"{model} on {_devices(args)}")
+    shown = Progress(not args.quiet, len(strategies), f"{model} on {_devices(args)}")
     rows = []
     for k, name in enumerate(strategies):
         shown.compiling(k, name)
@@ -396,7 +397,7 @@ def _compare_preset(args: argparse.Namespace, strategies: list[str], options: di
         except BaseException:
             shown.failed()
             raise
-        shown.compiled(report)
+        shown.compiled(report.temp_bytes)
         rows.append(Row(name, report))
     return Comparison(tuple(rows), args.target, args.topology, slices * hosts * gpus, model, largest_leaf(params))
 

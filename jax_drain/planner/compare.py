@@ -26,16 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-import sys
-import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jax_drain.order import grad_ready_order
+from jax_drain.planner._report import Progress, mib, pyplot, total_buckets
 from jax_drain.planner.plan import (
-    SCOPE_PREFIX, Plan, PlanError, Strategy, StrategyUnavailable, _num_buckets, _pyplot, build_user_step,
+    SCOPE_PREFIX, Plan, PlanError, Strategy, StrategyUnavailable, build_user_step,
     bucket_size_for, plan, strategy_options,
 )
 from jax_drain.planner.targets import gpu_mesh, parse_topology
@@ -51,10 +50,6 @@ _MIB = 2**20
 _CLOSE_FRACTION, _CLOSE_BYTES = 0.10, 64 * 1024
 
 
-def _mib(b: float) -> str:
-    return f"{b / _MIB:,.1f} MiB"
-
-
 def _buckets(p: Plan) -> str:
     """``" with 12 buckets (--bucket-size 196608)"``, as far as known."""
     size = f" (--bucket-size {p.bucket_size})" if p.bucket_size is not None else ""
@@ -66,52 +61,6 @@ def _strategy(name: str) -> Strategy | None:
         return Strategy.parse(name)
     except ValueError:  # a user step's own label
         return None
-
-
-class _Progress:
-    """One line per strategy on stderr while the planner compiles::
-
-        planning plan_my_model: 67.6M params (...) on 8x h100 (1x1x8), 5 strategies
-          [1/5] gspmd ... 234.5 MiB temp, compiled in 14.2 s
-          [2/5] no_comm ... 186.5 MiB temp, compiled in 11.0 s
-
-    A strategy's line starts when its compile starts and ends when it is done. Nothing is written
-    before the first compile (or unavailable strategy), so an error in the inputs stays the only
-    line. ``enabled=False`` writes nothing.
-    """
-
-    def __init__(self, enabled: bool, total: int, what: str):
-        self.enabled, self.total, self.what = enabled, total, what
-        self._headed = self._open = False
-        self._t0 = 0.0
-
-    def _write(self, text: str) -> None:
-        if self.enabled:
-            if not self._headed:
-                self._headed = True
-                text = f"planning {self.what}, {self.total} strateg{'y' if self.total == 1 else 'ies'}\n{text}"
-            sys.stderr.write(text)  # looked up on use: pytest and notebooks replace sys.stderr
-            sys.stderr.flush()
-
-    def compiling(self, index: int, name: str) -> None:
-        """Starts strategy ``index``'s line (0-based) as its compile starts."""
-        self._t0 = time.perf_counter()
-        self._write(f"  [{index + 1}/{self.total}] {name} ... ")
-        self._open = True
-
-    def compiled(self, plan: Plan) -> None:
-        """Ends the line with the plan's temp bytes and compile time."""
-        self._open = False
-        self._write(f"{_mib(plan.temp_bytes)} temp, compiled in {time.perf_counter() - self._t0:.1f} s\n")
-
-    def unavailable(self, index: int, name: str) -> None:
-        self._write(f"  [{index + 1}/{self.total}] {name}: not available (see its row)\n")
-
-    def failed(self, why: str = "failed") -> None:
-        """Ends an open line: the compile raised."""
-        if self._open:
-            self._open = False
-            self._write(f"{why}\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +91,7 @@ class Row:
     def __repr__(self) -> str:
         if self.plan is None:
             return f"Row({self.strategy!r}, unavailable={self.unavailable!r})"
-        return f"Row({self.strategy!r}, temp {_mib(self.plan.temp_bytes)}, arguments {_mib(self.plan.argument_bytes)})"
+        return f"Row({self.strategy!r}, temp {mib(self.plan.temp_bytes)}, arguments {mib(self.plan.argument_bytes)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +130,7 @@ class Comparison:
             if p is None:
                 rows.append((r.strategy, r.unavailable or "not available"))
                 continue
-            rows.append((r.strategy, _mib(p.temp_bytes), _mib(p.argument_bytes), _mib(max(p.live_bytes, default=0)),
+            rows.append((r.strategy, mib(p.temp_bytes), mib(p.argument_bytes), mib(max(p.live_bytes, default=0)),
                          "-" if p.num_buckets is None else str(p.num_buckets),
                          f"{p.overlapped}/{p.pairs}" if p.pairs else "-", p.collectives_summary()))
         widths = [max(len(row[i]) for row in rows if len(row) > 2) for i in range(6)]
@@ -223,7 +172,7 @@ class Comparison:
         if floor is None:
             lowest = min(plans, key=lambda n: plans[n].temp_bytes)
             return (f"verdict: without a no_comm row the activations cannot be told from the gradient sync "
-                    f"(add --strategy no_comm); the least temp is {lowest}'s, {_mib(plans[lowest].temp_bytes)}"
+                    f"(add --strategy no_comm); the least temp is {lowest}'s, {mib(plans[lowest].temp_bytes)}"
                     + (f"; use {best_name}{_buckets(best)}." if best is not None else "."))
         f = floor.temp_bytes
         above = lambda p: p.temp_bytes - f
@@ -232,55 +181,55 @@ class Comparison:
         undrained = {n: p for n, p in plans.items()
                      if (s := _strategy(n)) is not None and s.reduce and s.max_in_flight is None}
         heavy_others = {n: p for n, p in [("gspmd", gspmd), *undrained.items()] if p is not None and heavy(p)}
-        use = f"{best_name}{_buckets(best)}: {_mib(best.temp_bytes)} temp" if best is not None else ""
+        use = f"{best_name}{_buckets(best)}: {mib(best.temp_bytes)} temp" if best is not None else ""
         lines = []
         if heavy_others:
-            needs = [f"{label(n)} {_mib(p.temp_bytes)}" for n, p in heavy_others.items()]
+            needs = [f"{label(n)} {mib(p.temp_bytes)}" for n, p in heavy_others.items()]
             most = max(above(p) for p in heavy_others.values())
             lines.append(
-                f"verdict: the gradient sync sets the peak. {' and '.join(needs)} of temp: up to {_mib(most)} "
-                f"({100 * most / max(f, 1):.0f}%) above the {_mib(f)} of the same step without gradient "
+                f"verdict: the gradient sync sets the peak. {' and '.join(needs)} of temp: up to {mib(most)} "
+                f"({100 * most / max(f, 1):.0f}%) above the {mib(f)} of the same step without gradient "
                 "communication (no_comm).")
             if best is not None:
                 baseline = gspmd if gspmd is not None else max(heavy_others.values(), key=lambda p: p.temp_bytes)
                 base_name = "gspmd" if gspmd is not None else max(heavy_others, key=lambda n: heavy_others[n].temp_bytes)
                 saved = baseline.temp_bytes - best.temp_bytes
-                lines.append(f"Use {use}, {_mib(abs(saved))} {'less' if saved >= 0 else 'more'} than {base_name} "
-                             f"and {_mib(abs(above(best)))} {'above' if above(best) > 0 else 'below'} no_comm.")
+                lines.append(f"Use {use}, {mib(abs(saved))} {'less' if saved >= 0 else 'more'} than {base_name} "
+                             f"and {mib(abs(above(best)))} {'above' if above(best) > 0 else 'below'} no_comm.")
         elif best is None or not heavy(best):
             shown = [(n, p) for n, p in (("gspmd", gspmd), (best_name, best)) if p is not None]
             spread = max([abs(above(p)) for _, p in shown], default=0)
             lines.append(
                 f"verdict: activations set the peak. The step without gradient communication (no_comm) needs "
-                f"{_mib(f)} of temp" + "".join(f", {n} {_mib(p.temp_bytes)}" for n, p in shown)
-                + f": within {_mib(spread)} ({100 * spread / max(f, 1):.0f}%), so the gradient sync adds little and "
+                f"{mib(f)} of temp" + "".join(f", {n} {mib(p.temp_bytes)}" for n, p in shown)
+                + f": within {mib(spread)} ({100 * spread / max(f, 1):.0f}%), so the gradient sync adds little and "
                 "the bucket count will not move the peak; a smaller micro-batch, a shorter sequence or more "
                 "rematerialisation will.")
             if best is not None:
                 lines.append(f"For fp32-accumulated gradients use {use}.")
         else:
             lines.append(
-                f"verdict: activations set gspmd's peak ({_mib(gspmd.temp_bytes)} against {_mib(f)} without "
+                f"verdict: activations set gspmd's peak ({mib(gspmd.temp_bytes)} against {mib(f)} without "
                 f"gradient communication), but {best_name}'s bucket scratch sets its own: "
-                f"{_mib(best.temp_bytes)}, {_mib(above(best))} above no_comm." if gspmd is not None else
-                f"verdict: {best_name}'s bucket scratch sets its peak: {_mib(best.temp_bytes)}, "
-                f"{_mib(above(best))} above the {_mib(f)} without gradient communication (no_comm).")
+                f"{mib(best.temp_bytes)}, {mib(above(best))} above no_comm." if gspmd is not None else
+                f"verdict: {best_name}'s bucket scratch sets its peak: {mib(best.temp_bytes)}, "
+                f"{mib(above(best))} above the {mib(f)} without gradient communication (no_comm).")
             lines.append("Use plain jax.jit (gspmd) unless you need fp32 accumulation; for it, use "
                          f"{use}." if gspmd is not None else f"Use {use}.")
         if best is not None and heavy(best):
             leaf = self.largest_leaf
             if leaf is not None and best.bucket_size is not None and leaf[1] >= best.bucket_size:
-                lines.append(f"{best_name} stays {_mib(above(best))} above no_comm: its largest bucket holds "
+                lines.append(f"{best_name} stays {mib(above(best))} above no_comm: its largest bucket holds "
                              f"{leaf[0]} ({leaf[1]:,} elements) alone, and no bucket count splits a leaf.")
             elif best.num_buckets is not None:
-                lines.append(f"{best_name} stays {_mib(above(best))} above no_comm, about one bucket's scratch: more "
+                lines.append(f"{best_name} stays {mib(above(best))} above no_comm, about one bucket's scratch: more "
                              f"buckets should lower it (try --num-buckets {2 * best.num_buckets}).")
         if best is not None and best.pairs:
             rivals = [(n, p) for n, p in plans.items() if n != best_name and (s := _strategy(n)) is not None
                       and s.max_in_flight is not None and p.pairs and p.overlapped / p.pairs > best.overlapped / best.pairs]
             if rivals:
                 n, p = min(rivals, key=lambda kv: kv[1].temp_bytes)
-                lines.append(f"{n} needs {_mib(p.temp_bytes - best.temp_bytes)} more ({_mib(p.temp_bytes)}) but "
+                lines.append(f"{n} needs {mib(p.temp_bytes - best.temp_bytes)} more ({mib(p.temp_bytes)}) but "
                              f"overlaps {p.overlapped}/{p.pairs} of its collectives with compute against "
                              f"{best.overlapped}/{best.pairs}: pick it if step time matters more than that memory.")
         return "\n".join(lines)
@@ -298,7 +247,7 @@ class Comparison:
         """Writes a PNG: each strategy's approximate live bytes over its (normalised) schedule.
 
         Returns the absolute path written."""
-        plt = _pyplot()
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(9, 4))
         for name, p in self._plans().items():
             n = max(len(p.live_bytes) - 1, 1)
@@ -340,7 +289,7 @@ def describe_model(params: Any, batch: Any) -> str:
              f"{jnp.dtype(v.dtype).name}[{','.join(map(str, v.shape))}]"
              for k, v in jax.tree_util.tree_leaves_with_path(batch)]
     batch_text = ", ".join(shown[:3]) + (f", ... ({len(shown)} arrays)" if len(shown) > 3 else "")
-    return f"{count / 1e6:,.1f}M params ({_mib(nbytes)} {dtypes}), batch {batch_text}"
+    return f"{count / 1e6:,.1f}M params ({mib(nbytes)} {dtypes}), batch {batch_text}"
 
 
 def _per_layer(params: Any, stacked: Any) -> list[jax.ShapeDtypeStruct]:
@@ -429,7 +378,7 @@ def plan_model(
             bucket_size = bucket_size_for(_per_layer(params, stacked), max(1, round((num_buckets or 1) / layers)), n)
     itemsize = max(jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
     model = (f"{name}: " if name else "") + describe_model(params, batch)
-    shown = _Progress(progress, len(parsed), f"{model} on {n}x {target} ({topology})")
+    shown = Progress(progress, len(parsed), f"{model} on {n}x {target} ({topology})")
 
     rows = []
     for k, strat in enumerate(parsed):
@@ -445,12 +394,12 @@ def plan_model(
         try:
             report = plan(step, *args, target=target, topology=topology, compiler_options=options or None,
                           scope=None if sync is None else SCOPE_PREFIX, strategy=strat.name,
-                          num_buckets=_num_buckets(sync), bucket_size=None if sync is None else bucket_size,
+                          num_buckets=total_buckets(sync), bucket_size=None if sync is None else bucket_size,
                           notes=(f"XLA options {options}",) if options else ())
         except BaseException:
             shown.failed()
             raise
-        shown.compiled(report)
+        shown.compiled(report.temp_bytes)
         rows.append(Row(strat.name, report))
     return Comparison(tuple(rows), target, topology, n, model, largest_leaf(params))
 

@@ -50,6 +50,7 @@ from jax_drain.drain import sequenced_map
 from jax_drain.chain import ChainedSync
 from jax_drain.layout import BucketLayout
 from jax_drain.order import grad_ready_order, remat_groups
+from jax_drain.planner._report import pyplot, total_buckets
 from jax_drain.planner.schedule import COLLECTIVE_KINDS, Collective, Schedule, parse_schedule
 from jax_drain.planner.targets import gpu_mesh, parse_topology
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
@@ -283,7 +284,7 @@ class Plan:
         """Writes a PNG: live bytes over the schedule, with each collective's span shaded.
 
         Returns the absolute path written."""
-        plt = _pyplot()
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(9, 4))
         ax.plot([b / 2**20 for b in self.live_bytes], lw=1, color="tab:blue", label="live bytes (approx.)")
         for c in self.collectives:
@@ -327,17 +328,6 @@ def _ranges(ks: Sequence[int]) -> str:
         else:
             parts.append(str(k))
     return ",".join(parts)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("plotting needs matplotlib: pip install 'jax_drain[plot]'") from e
-    return plt
 
 
 def _named_buckets(op_names: Sequence[str]) -> tuple[BucketRef, ...]:
@@ -938,14 +928,9 @@ def plan_preset(
     return plan(
         step, *args, target=target, topology=topology, compiler_options=options or None,
         scope=None if sync is None else SCOPE_PREFIX,
-        strategy=strat.name, num_buckets=_num_buckets(sync),
+        strategy=strat.name, num_buckets=total_buckets(sync),
         bucket_size=bucket_size, notes=tuple(notes),
     )
-
-
-def _num_buckets(sync: ChainedSync | None) -> int | None:
-    # Every layer's buckets are buckets of their own.
-    return None if sync is None else sum(chain.num_buckets * (chain.num_layers or 1) for chain in sync.chains)
 
 
 def preset_config(name: str, layers: int | None = None, d_model: int | None = None,
