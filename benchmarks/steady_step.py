@@ -25,6 +25,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -38,11 +39,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 import jax_drain as jd  # noqa: E402
 from jax_drain.models import GPT, GPTConfig  # noqa: E402
 
-#: GPTConfig fields and global batch. ``gpt-8m``: 8 blocks, 8.4M parameters.
-MODELS: dict[str, tuple[dict[str, Any], int]] = {
-    "gpt-8m": (dict(num_layers=8, d_model=256, num_heads=4, seq_len=64, vocab_size=8192), 16),
-    "gpt-132k": (dict(num_layers=2, d_model=64, num_heads=4, seq_len=64, vocab_size=512), 16),
-}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from first_step import CPU_MODELS as MODELS  # noqa: E402  (one definition of the CPU models)
 
 #: jax_drain variants: name -> TrainConfig fields (``default`` is ``TrainConfig()``).
 VARIANTS: dict[str, dict[str, Any]] = {
