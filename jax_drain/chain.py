@@ -661,17 +661,31 @@ class ChainedSync:
         flat = tuple(flat)
         if len(flat) != len(self.flat_chains):
             raise ValueError(f"expected {len(self.flat_chains)} buckets, got {len(flat)}")
-        leaves: list[Any] = [None] * len(self.placements)
         for chain, part in zip(self.chains, self.per_chain(flat)):
             chain.check_buckets(part, "unflatten")
-            for i, leaf in zip(chain.leaves, chain.unflatten(part)):
-                leaves[i] = leaf
-        return jax.tree.unflatten(self._treedef, leaves)
+        return self._cut_leaves(flat)
+
+    @functools.cached_property
+    def _cut_leaves(self) -> Callable[[tuple[jax.Array, ...]], PyTree]:
+        """Whole buckets -> the params-shaped tree, as one program. Cut eagerly, every slice of
+        a sharded bucket is a program of its own with collectives; XLA:CPU deadlocks (and aborts
+        after its rendezvous timeout) once more than 32 such programs wait per device behind a
+        running one (BUILD.md, "The abort")."""
+
+        def cut(flat: tuple[jax.Array, ...]) -> PyTree:
+            flat = tuple(_whole(b) for b in flat)
+            leaves: list[Any] = [None] * len(self.placements)
+            for chain, part in zip(self.chains, self.per_chain(flat)):
+                for i, leaf in zip(chain.leaves, chain.unflatten(part)):
+                    leaves[i] = leaf
+            return jax.tree.unflatten(self._treedef, leaves)
+
+        return jax.jit(cut)
 
     def unflatten(self, buckets: Any) -> PyTree:
         """The params-shaped tree (local blocks) from whole buckets in the sync's output type,
         e.g. the mean gradient from a step's global shards."""
-        return self.unflatten_buckets(tuple(_whole(b) for b in self.flat_shards(buckets)))
+        return self.unflatten_buckets(self.flat_shards(buckets))
 
     # -- inside shard_map -------------------------------------------------------------------
     def local_params(self, params: PyTree) -> PyTree:

@@ -326,3 +326,25 @@ def test_sequenced_map_returns_each_fenced_predecessor_through_its_barrier_where
     (barrier,) = [e for e in inner.params["jaxpr"].eqns if e.primitive.name == "optimization_barrier"]
     read = {v for e in inner.params["jaxpr"].eqns for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
     assert barrier.outvars[0] not in read
+
+
+# -- outside the step: one program, not one per leaf ---------------------------------------------
+
+
+@pytest.mark.parametrize("tree", [MANY, DENSE], ids=["many", "dense"])
+def test_unflatten_of_sharded_buckets_is_one_program(tree, cpu_devices):
+    """Cut eagerly, every leaf of a sharded bucket was a program of its own with an all-gather of
+    the bucket. XLA:CPU deadlocks (and aborts at its rendezvous timeout) once more than 32 such
+    programs per device wait behind a running one, which a loop of step-then-unflatten reaches
+    under load (BUILD.md, "The abort"): ``unflatten`` must dispatch one program, whatever the tree."""
+    mesh = Mesh(np.array(cpu_devices), ("data",))
+    sync = jd.GradSync(tree, mesh, bucket_size=256)
+    rng = np.random.default_rng(0)
+    leaves = [rng.normal(size=x.shape).astype(np.float32) for x in jax.tree.leaves(tree)]
+    want = jax.tree.unflatten(jax.tree.structure(tree), leaves)
+    shards = jax.device_put(sync.flatten(want), jax.NamedSharding(mesh, P("data")))
+    assert sync.num_buckets > 1
+    programs = [e.primitive.name for e in jax.make_jaxpr(sync.unflatten)(shards).jaxpr.eqns]
+    assert programs in (["pjit"], ["jit"]), programs
+    got = sync.unflatten(shards)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), got, want))
