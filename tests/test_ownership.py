@@ -267,7 +267,7 @@ def test_train_step_chooses_whole_parameters_for_transforms_that_need_them(name,
     assert step.ownership == want and step.sync.layout.owners == (8 if want == "param" else None)
 
 
-@pytest.mark.parametrize("name", ["muon+adamw", "adamw"])
+@pytest.mark.parametrize("name", [*TRANSFORMS, "adamw"])
 def test_train_step_with_its_ownership_trains_checkpoints_and_moves(name, cpu_devices, tmp_path):
     """What the step chose trains and resumes bit for bit. Per-owner state moves onto 4 owners
     (each transform's numbers on owners: the tests above against optax); flat-shard state does
@@ -333,3 +333,35 @@ def test_shard_params_with_whole_parameter_ownership_equals_zero1(cpu_devices):
             state, metrics = step(state, batch)
             losses[shard_params].append(float(metrics.loss))
     assert losses[True] == losses[False] and losses[True][-1] < losses[True][0]
+
+
+def test_the_whole_parameter_check_runs_once_per_tx_and_shapes_and_refuses_every_time():
+    """A step built again with the same ``tx`` (a restore, another mesh, a planner's search)
+    does not trace the check again; a refusal is raised again each time, and another tx object
+    or other shapes are checked anew."""
+    from jax_drain.ownership import check_per_parameter
+
+    calls = []
+
+    def counted(tx):
+        def update(*args):
+            calls.append(1)
+            return tx.update(*args)
+        return optax.GradientTransformation(tx.init, update)
+
+    tree = {"w": jax.ShapeDtypeStruct((5, 4), jnp.float32), "v": jax.ShapeDtypeStruct((6,), jnp.float32)}
+    tx = counted(optax.contrib.muon(0.02))
+    check_per_parameter(tx, tree)
+    assert calls
+    calls.clear()
+    check_per_parameter(tx, tree)
+    assert not calls  # passed before: not run again
+    check_per_parameter(tx, {**tree, "u": jax.ShapeDtypeStruct((2, 3), jnp.float32)})
+    assert calls  # other shapes
+    calls.clear()
+    check_per_parameter(counted(optax.contrib.muon(0.02)), tree)
+    assert calls  # another tx
+    clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.lamb(0.01))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="computes something over several parameters"):
+            check_per_parameter(clipped, tree)
