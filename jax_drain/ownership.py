@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 from typing import Any, Sequence
 
 import jax
@@ -326,43 +325,30 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     on the whole tree: a few steps on a shrunken copy of ``params`` (every dimension at most 3),
     the leaves spread over two simulated owners. The same ``tx`` object, passed on the same
     shapes, is not checked again."""
-    owners = 2
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in np.shape(x)), jnp.float32),
                           params)
-    key = _check_key(tx, shrunk, rtol)
-    with _PASSED_LOCK:
-        if key is not None and key in _PASSED:
-            return
-    _check_on_owners(tx, shrunk, owners, rtol)
-    if key is not None:
-        with _PASSED_LOCK:  # steps check their tx on a thread of their own
-            _PASSED[key] = None
-            while len(_PASSED) > _PASSED_MAX:
-                del _PASSED[next(iter(_PASSED))]
-
-
-# The checks that passed, by (tx, shrunken tree, rtol): the same tx object on the same shapes
-# passes again (an optax transform is a pair of pure functions), and a step built again for a
-# restore, another mesh or a planner's search should not compile the check again. Refusals are
-# not kept: they are raised again, in full, each time.
-_PASSED: dict[Any, None] = {}
-_PASSED_MAX = 64
-_PASSED_LOCK = threading.Lock()
-
-
-def _check_key(tx: optax.GradientTransformation, shrunk: PyTree, rtol: float) -> Any:
-    """A hashable key for a check, or ``None`` where ``tx`` is not hashable."""
     leaves, treedef = jax.tree.flatten(shrunk)
-    key = (tx, treedef, tuple(x.shape for x in leaves), rtol)
+    shapes = tuple(x.shape for x in leaves)
     try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+        hash(tx)
+    except TypeError:  # a tx holding unhashable parts is checked every time
+        _check_on_owners(tx, treedef, shapes, rtol)
+        return
+    _check_once(tx, treedef, shapes, rtol)
 
 
-def _check_on_owners(tx: optax.GradientTransformation, shrunk: PyTree, owners: int, rtol: float) -> None:
-    """:func:`check_per_parameter` on ``shrunk``, the leaves spread over ``owners``."""
+# The same tx object on the same shapes passes again (an optax transform is a pair of pure
+# functions), so a step built again for a restore, another mesh or a planner's search does not
+# compile the check again. lru_cache keeps no exceptions: a refusal is raised again each time.
+@functools.lru_cache(maxsize=64)
+def _check_once(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> None:
+    _check_on_owners(tx, treedef, shapes, rtol)
+
+
+def _check_on_owners(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> None:
+    """:func:`check_per_parameter` on the shrunken tree, its leaves spread over two owners."""
+    owners = 2
+    shrunk = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     start, grads = random_steps(shrunk)
     try:
         want = updates_on_tree(tx, start, grads, compiled=True)
