@@ -59,6 +59,24 @@ def test_json_fields_are_present_and_consistent(reports, tmp_path):
 
 
 @pytest.mark.gpu_compile
+def test_every_strategy_has_xla_s_predicted_time_and_no_comm_is_the_floor(reports):
+    """Read from XLA's schedule of each compiled program: the communication differs, so do the
+    figures; the floor without the wire is no slower than any strategy and exposes nothing."""
+    for name, report in reports.items():
+        row = report.to_json()
+        assert row["predicted_step_s"] == report.predicted_step_s > 0, name
+        assert 0 <= row["exposed_comm_s"] < row["predicted_step_s"], name
+        assert report.predicted_step_s >= reports["no_comm"].predicted_step_s, name
+        kinds = {c.kind for c in report.all_collectives}
+        assert set(row["exposed_comm_by_kind"]) <= kinds, name  # only what the program sends
+    assert reports["no_comm"].exposed_comm_s == 0
+    drained, undrained = reports["drained"].step_time, reports["undrained"].step_time
+    assert drained.exposed_comm_by_kind["all-to-all"] > 0 and drained != undrained
+    assert "reduce-scatter" in reports["gspmd"].step_time.exposed_comm_by_kind or reports["gspmd"].exposed_comm_s == 0
+    assert "predicted step" in reports["drained"].table() and "(XLA's estimate)" in reports["drained"].table()
+
+
+@pytest.mark.gpu_compile
 def test_table_and_plot(reports, tmp_path):
     table = reports["drained"].table()
     assert "fp32_accum+drain" in table and "all-to-all" in table and "temp" in table
@@ -394,7 +412,7 @@ def test_user_model_prints_one_table_and_a_verdict(user_model):
     assert lines[0].startswith("plan_my_model: ") and "on 8x h100 (1x1x8)" in lines[0]
     (header,) = [i for i, line in enumerate(lines) if line.split()[:2] == ["strategy", "temp"]]
     assert lines[header].split() == ["strategy", "temp", "arguments", "peak", "live", "buckets", "overlap",
-                                     "collectives"]
+                                     "step", "exposed", "collectives"]
     body = lines[header + 1:header + 1 + len(rows)]
     assert [line.split()[0] for line in body] == list(compare.DEFAULT_STRATEGIES) + ["fp32_accum+drain+split"]
     assert "1x all-reduce f32" in body[1] and "all-to-all bf16" in body[3]
@@ -411,6 +429,7 @@ def test_user_model_json_rows(user_model):
     for name in compare.DEFAULT_STRATEGIES:
         row = rows[name]
         assert row["available"] and row["temp_bytes"] > 0 and row["argument_bytes"] > 0
+        assert row["predicted_step_s"] >= rows["no_comm"]["predicted_step_s"] > 0 and row["exposed_comm_s"] >= 0
         for entry in row["collectives"]:
             assert set(entry) == {"kind", "dtype", "count", "bytes"} and entry["count"] >= 1
     count = lambda name, kind=None: sum(c["count"] for c in rows[name]["collectives"] if kind in (None, c["kind"]))
@@ -426,7 +445,7 @@ def test_user_model_json_rows(user_model):
         assert split["available"] and split["temp_bytes"] > 0
     else:
         assert not split["available"] and "not available in this version" in split["unavailable"]
-        assert split["temp_bytes"] is None and split["collectives"] == []
+        assert split["temp_bytes"] is None and split["collectives"] == [] and split["predicted_step_s"] is None
 
 
 def _user_module(tmp_path, body: str) -> str:

@@ -56,6 +56,10 @@ def _buckets(p: Plan) -> str:
     return f" with {p.num_buckets} buckets{size}" if p.num_buckets is not None else size
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.2f} ms"
+
+
 def _strategy(name: str) -> Strategy | None:
     try:
         return Strategy.parse(name)
@@ -80,12 +84,14 @@ class Row:
         for a strategy this version cannot build."""
         if self.plan is None:
             return {"strategy": self.strategy, "available": False, "unavailable": self.unavailable,
-                    "num_buckets": None, "temp_bytes": None, "argument_bytes": None, "collectives": []}
+                    "num_buckets": None, "temp_bytes": None, "argument_bytes": None, "collectives": [],
+                    "predicted_step_s": None, "exposed_comm_s": None}
         full = self.plan.to_json()
         keys = ("num_buckets", "bucket_size", "temp_bytes", "argument_bytes", "output_bytes", "peak_live_bytes",
                 "pairs", "overlapped", "buckets_in_flight", "chains_in_flight", "collectives_in_flight",
-                "compile_s", "target", "topology", "num_devices", "notes")
-        return {"strategy": self.strategy, "available": True, **{k: full[k] for k in keys},
+                "compile_s", "target", "topology", "num_devices", "notes", "predicted_step_s", "exposed_comm_s")
+        timing = {k: full[k] for k in ("exposed_comm_by_kind", "hidden_compute_s", "compute_s", "unpriced") if k in full}
+        return {"strategy": self.strategy, "available": True, **{k: full[k] for k in keys}, **timing,
                 "collectives": self.plan.collective_counts(), "sync_collectives": full["collectives"]}
 
     def __repr__(self) -> str:
@@ -123,8 +129,9 @@ class Comparison:
         the compiled program by kind and dtype, and overlapped/async gradient-sync collectives."""
         head = [f"{self.model + ' ' if self.model else ''}on {self.num_devices}x {self.target} ({self.topology})",
                 "  bytes per device: temp and arguments from XLA's buffer assignment, peak live approximate",
-                "  overlap: sync collectives overlapping compute / async ones; collectives: all in the program"]
-        rows = [("strategy", "temp", "arguments", "peak live", "buckets", "overlap", "collectives")]
+                "  overlap: sync collectives overlapping compute / async ones; collectives: all in the program",
+                "  step, exposed: XLA's predicted step time and the communication it leaves exposed (estimates)"]
+        rows = [("strategy", "temp", "arguments", "peak live", "buckets", "overlap", "step", "exposed", "collectives")]
         for r in self.rows:
             p = r.plan
             if p is None:
@@ -132,15 +139,16 @@ class Comparison:
                 continue
             rows.append((r.strategy, mib(p.temp_bytes), mib(p.argument_bytes), mib(max(p.live_bytes, default=0)),
                          "-" if p.num_buckets is None else str(p.num_buckets),
-                         f"{p.overlapped}/{p.pairs}" if p.pairs else "-", p.collectives_summary()))
-        widths = [max(len(row[i]) for row in rows if len(row) > 2) for i in range(6)]
+                         f"{p.overlapped}/{p.pairs}" if p.pairs else "-", _ms(p.predicted_step_s),
+                         _ms(p.exposed_comm_s), p.collectives_summary()))
+        widths = [max(len(row[i]) for row in rows if len(row) > 2) for i in range(8)]
         widths[0] = max(len(row[0]) for row in rows)
         lines = []
         for row in rows:
             if len(row) == 2:  # not available: the reason in place of the numbers
                 lines.append(f"  {row[0].ljust(widths[0])}  {row[1]}")
                 continue
-            cells = [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:6], widths[1:6])] + [row[6]]
+            cells = [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:8], widths[1:8])] + [row[8]]
             lines.append("  " + "  ".join(cells))
         return "\n".join(head + lines)
 

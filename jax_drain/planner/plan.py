@@ -37,6 +37,7 @@ import inspect
 import math
 import pathlib
 import re
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -53,6 +54,7 @@ from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.planner._report import pyplot, total_buckets
 from jax_drain.planner.schedule import COLLECTIVE_KINDS, Collective, Schedule, parse_schedule
 from jax_drain.planner.targets import gpu_mesh, parse_topology
+from jax_drain.planner.timing import StepTime, read_schedule_dump, schedule_dump_options
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards
 
@@ -161,6 +163,19 @@ class Plan:
     # Every collective of the compiled program, XLA's own included (``collectives`` above are
     # the sync's only); empty for a Plan built by hand.
     all_collectives: tuple[Collective, ...] = ()
+    # XLA's predicted time of the step (:mod:`jax_drain.planner.timing`); None for a Plan built
+    # by hand.
+    step_time: StepTime | None = None
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        """XLA's predicted step time in seconds (``None`` where it cannot price the step)."""
+        return None if self.step_time is None else self.step_time.step_s
+
+    @property
+    def exposed_comm_s(self) -> float | None:
+        """The time the step's collectives leave exposed, in seconds, by XLA's estimate."""
+        return None if self.step_time is None else self.step_time.exposed_comm_s
 
     def collective_counts(self) -> list[dict[str, Any]]:
         """Every collective of the compiled program by kind and dtype: ``{"kind", "dtype",
@@ -221,6 +236,7 @@ class Plan:
             "collectives_in_flight": self.collectives_in_flight,
             "peak_live_bytes": max(self.live_bytes, default=0),
             "compile_s": round(self.compile_s, 3),
+            **(self.step_time.to_json() if self.step_time is not None else {"predicted_step_s": None, "exposed_comm_s": None}),
             "all_collectives": self.collective_counts(),
             "collectives": [
                 {
@@ -259,6 +275,8 @@ class Plan:
             + f", {self.collectives_in_flight} collectives",
             f"  all collectives in the program: {self.collectives_summary()}",
         ]
+        if self.step_time is not None:
+            head.append(f"  {self.step_time.summary()}")
         head += [f"  note: {n}" for n in self.notes]
         rows = [("chain", "bucket", "kind", "dtype", "bytes", "group", "start", "done", "overlap")]
         for c in self.collectives:
@@ -450,11 +468,16 @@ def plan(
         lowered = jitted.lower(*abstract_args)
     except Exception as e:
         raise PlanError(f"could not trace the step: {type(e).__name__}: {e}") from e
-    try:
-        compiled = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
-    except Exception as e:
-        raise PlanError(f"XLA could not compile the step for {target}: {type(e).__name__}: {e}") from e
-    compile_s = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="jax_drain_schedule_") as dump:
+        # XLA writes its scheduler's price list of this very compile there (a fresh directory
+        # is also a fresh compile-cache key: a cached executable would write nothing).
+        options = {**(compiler_options or {}), **schedule_dump_options(dump)}
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as e:
+            raise PlanError(f"XLA could not compile the step for {target}: {type(e).__name__}: {e}") from e
+        compile_s = time.perf_counter() - start
+        step_time = read_schedule_dump(dump)
     memory = compiled.memory_analysis()
     sched = parse_schedule(compiled.as_text())
     mine = tuple(c for c in sched.collectives if _is_sync_collective(sched, c, scope))
@@ -475,6 +498,7 @@ def plan(
         collective_buckets=tuple(collective_buckets(sched, c) for c in mine),
         chains_in_flight=chains_in_flight,
         all_collectives=sched.collectives,
+        step_time=step_time,
         **report_fields,
     )
 
