@@ -74,6 +74,11 @@ def test_every_strategy_has_xla_s_predicted_time_and_no_comm_is_the_floor(report
     assert drained.exposed_comm_by_kind["all-to-all"] > 0 and drained != undrained
     assert "reduce-scatter" in reports["gspmd"].step_time.exposed_comm_by_kind or reports["gspmd"].exposed_comm_s == 0
     assert "predicted step" in reports["drained"].table() and "(XLA's estimate)" in reports["drained"].table()
+    # Planned again, with JAX's persistent compilation cache on (as in this suite): a cached
+    # executable would not be scheduled again and would write no schedule. JAX does not keep
+    # compile-only executables; if it starts to, this fails.
+    again = plan.plan_preset(TINY, "fp32_accum+drain", num_buckets=6)
+    assert again.step_time == reports["drained"].step_time
 
 
 @pytest.mark.gpu_compile

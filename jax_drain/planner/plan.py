@@ -469,8 +469,7 @@ def plan(
     except Exception as e:
         raise PlanError(f"could not trace the step: {type(e).__name__}: {e}") from e
     with tempfile.TemporaryDirectory(prefix="jax_drain_schedule_") as dump:
-        # XLA writes its scheduler's price list of this very compile there (a fresh directory
-        # is also a fresh compile-cache key: a cached executable would write nothing).
+        # XLA writes its scheduler's price list of this very compile there.
         options = {**(compiler_options or {}), **schedule_dump_options(dump)}
         try:
             compiled = lowered.compile(compiler_options=options)
