@@ -36,7 +36,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
 from jax_drain.collectives import (
-    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, reduce_scatter_bucket,
+    QUANTIZED_MODES, all_gather_bucket, all_reduce_shard, mean_predivisor, pmean, reduce_scatter_bucket,
     wire_values,
 )
 from jax_drain.drain import sequenced_map
@@ -759,13 +759,16 @@ class ChainedSync:
         """
         axes = self.data_axes
         if count is None:
-            return (jax.lax.pmean(total, axes) if self.average else jax.lax.psum(total, axes)), shards
-        global_total = jax.lax.psum(total, axes)
+            return (pmean(total, axes) if self.average else jax.lax.psum(total, axes)), shards
         if not self.average:
-            return global_total, shards
+            return jax.lax.psum(total, axes), shards
         global_count = jax.lax.psum(count, axes)
         scale = self.data_size / global_count
-        return global_total / global_count, self.pack_shards([s * scale for s in self.flat_shards(shards)])
+        # The totals enter the sum pre-divided, like a mean's: a finite per-count mean stays finite.
+        p = mean_predivisor(self.data_size)
+        wide = total.astype(jnp.promote_types(total.dtype, jnp.float32))
+        loss = (jax.lax.psum(wide / p, axes) / (global_count / p)).astype(total.dtype)
+        return loss, self.pack_shards([s * scale for s in self.flat_shards(shards)])
 
     def init_master(self, params: PyTree) -> Any:
         """This device's float32 slices of ``params`` (local blocks), laid out like the gradient
@@ -880,18 +883,19 @@ def accumulate_shards(sync: "ChainedSync", run: Callable, state: Any, carried: A
         total, count, acc, state, carried = carry
         step, shards, carried = run(state, carried, *micro)
         weighted.append(step.count is not None)
-        # A mean's terms enter pre-divided (exactly, by a power of two): no partial sum overflows.
-        scale = 1 if step.count is not None else mean_predivisor(k)
+        # Every term enters pre-divided (exactly, by a power of two): no partial sum overflows. A weighted
+        # loss's count is divided alike, so its total / count and the gradients it rescales are unchanged.
+        scale = mean_predivisor(k)
         acc = [a + s / scale for a, s in zip(acc, shards)]
-        count = count + (1.0 if step.count is None else step.count)
-        return (total + step.total, count, acc, step.state, carried), step.aux
+        count = count + (1.0 if step.count is None else step.count / scale)
+        return (total + step.total / scale, count, acc, step.state, carried), step.aux
 
     (total, count, acc, state, carried), aux = jax.lax.scan(
         one, (scalar(), scalar(), zeros, state, carried), (args, kwargs))
     if weighted[0]:
         return LocalStep(total, count, aux, state), acc, carried
     rest = k / mean_predivisor(k)
-    return LocalStep(total / k, None, aux, state), [a / rest for a in acc], carried
+    return LocalStep(total / rest, None, aux, state), [a / rest for a in acc], carried
 
 
 def _whole(bucket: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """Error feedback: each device's wire rounding error, added back into its next gradient.
 
-A lossy wire (``reduce="int8_accum"``/``"fp8_accum"``/``"int8_accum_streamed"``, or a
+A lossy wire (``reduce="int8_accum"``/``"fp8_accum"``/``"fp16_accum"``/``"int8_accum_streamed"``, or a
 ``wire_dtype`` narrower than float32) rounds what every device sends. With error feedback each
 device keeps what its wire rounded off (a *residual*, one whole bucket per bucket, in the
 gradients' dtype) and sends ``gradient + residual`` the next step, so the rounding errors do
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: Reduce modes whose rounding happens on the sending device only, so a residual can hold it.
 #: ``"bf16"`` sums in bf16 on the wire (the error is not any one device's) and ``"fp32"`` sends
 #: float32.
-FEEDBACK_MODES = ("fp32_accum", "fp32_accum_streamed", "int8_accum", "fp8_accum", "int8_accum_streamed")
+FEEDBACK_MODES = ("fp32_accum", "fp32_accum_streamed", "int8_accum", "fp8_accum", "fp16_accum", "int8_accum_streamed")
 
 
 @jax.tree_util.register_dataclass

@@ -103,7 +103,7 @@ class GradSync(ChainedSync):
             unit); ``None`` gives one bucket per dtype (per chain).
         reduce: ``"bf16"``, ``"fp32"``, ``"fp32_accum"``, ``"fp32_accum_streamed"``, or a
             quantized wire with float32 sums: ``"int8_accum"``, ``"fp8_accum"``,
-            ``"int8_accum_streamed"`` (per-block scales, blocks aligned to the bucket's leaves;
+            ``"fp16_accum"``, ``"int8_accum_streamed"`` (per-block scales, blocks aligned to the bucket's leaves;
             see :mod:`jax_drain.collectives`).
         drain: chain the buckets so at most one bucket's collectives (and scratch) are in flight.
         average: divide the sum by the number of data-parallel devices (the mean gradient):
@@ -499,18 +499,19 @@ class GradSync(ChainedSync):
             check_loss_varies(out.total, self.data_axes)
             weighted.append(out.count is not None)
             grads = [_compat.mark_varying(g, ax) for g, ax in zip(jax.tree.leaves(grads), axes)]
-            # A mean's terms enter pre-divided (exactly, by a power of two): no partial sum overflows.
-            scale = 1 if out.count is not None else mean_predivisor(k)
+            # Every term enters pre-divided (exactly, by a power of two): no partial sum overflows. A weighted
+            # loss's count is divided alike, so its total / count and the gradients it rescales are unchanged.
+            scale = mean_predivisor(k)
             acc = [s + g.astype(s.dtype) / scale for s, g in zip(acc, grads)]
-            count = count + (1.0 if out.count is None else out.count)
-            return (total + out.total, count, acc, out.state), out.aux
+            count = count + (1.0 if out.count is None else out.count / scale)
+            return (total + out.total / scale, count, acc, out.state), out.aux
 
         (total, count, acc, state), aux = jax.lax.scan(one, (scalar(), scalar(), zeros, state), (args, kwargs))
         if weighted[0]:  # sums: finish() divides by the global count
             grads, out = acc, LocalStep(total, count, aux, state)
         else:  # the mean, in the accumulator's precision
             rest = k / mean_predivisor(k)
-            grads, out = [s / rest for s in acc], LocalStep(total / k, None, aux, state)
+            grads, out = [s / rest for s in acc], LocalStep(total / rest, None, aux, state)
         grads = [g.astype(p.dtype) for g, p in zip(grads, leaves)]
         return out, jax.tree.unflatten(self._treedef, grads)
 

@@ -125,15 +125,16 @@ def test_rejects_unknown_mode_and_bad_shapes():
         jax.jit(fn).lower(jax.ShapeDtypeStruct((8, 4, 8), jnp.float32))
 
 
-# -- quantized wire: int8_accum, fp8_accum, int8_accum_streamed ----------------------------------
+# -- quantized wire: int8_accum, fp8_accum, fp16_accum, int8_accum_streamed ----------------------
 
 from jax_drain._jaxpr import collective_dependencies  # noqa: E402
 from jax_drain.collectives import STREAM_DEPTH, block_partition  # noqa: E402
 
 # The largest magnitude a block's absmax maps to (the scale is absmax / QMAX), per mode.
-QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0}
-# Per-leaf relative error allowed (against the leaf's own norm).
-LEAF_RTOL = {"int8_accum": 1e-2, "int8_accum_streamed": 1e-2, "fp8_accum": 5e-2}
+QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0, "fp16_accum": 65504.0}
+# Per-leaf relative error allowed (against the leaf's own norm): about each payload's relative
+# rounding (int8: 1/254 of the block's absmax; fp8: 2**-4; fp16: 2**-11).
+LEAF_RTOL = {"int8_accum": 1e-2, "int8_accum_streamed": 1e-2, "fp8_accum": 5e-2, "fp16_accum": 2.0**-11}
 
 # One bucket of leaves of very different scales laid out back to back, as the sync lays them
 # out: (name, size, scale). Leaves start mid-block and straddle chunk boundaries; "outlier"
@@ -201,9 +202,11 @@ def _device_scales(stacked, mode, blocks) -> np.ndarray:
 def _error_bound(x: np.ndarray, scales: np.ndarray, mode: str) -> np.ndarray:
     """The documented per-element error bound of the sum over devices of ``x`` ``[n, size]``,
     given each device's block scales: int8 ``sum_j s_j / 2``, fp8 ``sum_j (|x_j| / 16 + s_j /
-    1024)``, plus float32 rounding."""
+    1024)``, fp16 ``sum_j (|x_j| / 2048 + s_j * 2**-25)``, plus float32 rounding."""
     if mode.startswith("int8"):
         bound = (scales * (0.5 + 1e-5)).sum(axis=0)
+    elif mode == "fp16_accum":
+        bound = (np.abs(x) / 2048 + scales * 2.0**-25).sum(axis=0) * (1 + 1e-5)
     else:
         bound = (np.abs(x) / 16 + scales / 1024).sum(axis=0) * (1 + 1e-5)
     return bound + 1e-6 * (np.abs(x) + scales).sum(axis=0)
@@ -226,6 +229,7 @@ def test_block_partition_follows_the_documented_rule():
             assert got.bucket_starts().tolist() == [a for a, _ in want], (n, chunk, block_size, starts)
             assert max(got.blocks_per_chunk) == got.num_blocks
             assert got.wire_bytes() == n * (chunk + 4 * got.num_blocks)
+            assert got.wire_bytes(2) == n * (2 * chunk + 4 * got.num_blocks)
             assert all(b - a <= block_size for a, b in want)
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         block_partition(16, 2, 0)
@@ -255,6 +259,29 @@ def test_quantized_leaves_of_very_different_scales_within_their_own_norms(mode, 
     assert rel <= LEAF_RTOL[mode], (mode, rel)
     # Not float32-exact: the data exercises the quantization.
     assert max(errors.values()) > 1e-4
+
+
+def test_fp16_wire_keeps_gradients_from_1e_7_to_1e6_within_its_bound():
+    """The float16 wire is scaled per block: leaves from 1e-7 to 1e6 (float16's range is
+    6e-8 to 65504) all arrive within the documented bound, relative error about 2**-11, where an
+    unscaled float16 cast would give inf for one and zero or a few digits for others."""
+    n, size = 8, 8 * 1024
+    rng = np.random.default_rng(9)
+    magnitudes = np.repeat([1e-7, 1e-5, 1e-2, 1e2, 1e6], -(-size // 5))[:size]
+    x = rng.normal(size=(n, size)) * magnitudes * rng.uniform(0.5, 2.0, size=(n, 1))
+    stacked = jnp.asarray(x, jnp.float32)
+    starts = tuple(np.flatnonzero(np.diff(magnitudes, prepend=0)))
+    out = _run_q("fp16_accum", stacked, block_starts=starts)
+    ref = np.asarray(stacked, np.float64).sum(axis=0)
+    bound = _error_bound(np.asarray(stacked, np.float64), _device_scales(stacked, "fp16_accum",
+                                                                       _reference_blocks(size, n, 256, starts)), "fp16_accum")
+    assert np.all(np.abs(out - ref) <= bound)
+    for m in np.unique(magnitudes):
+        part = magnitudes == m
+        rel = np.linalg.norm(out[part] - ref[part]) / np.linalg.norm(ref[part])
+        assert 1e-6 < rel <= 2.0**-11, (m, rel)  # float16's rounding, not float32's, and no more
+    unscaled = np.asarray(jnp.asarray(stacked, jnp.float16), np.float64).sum(axis=0)
+    assert not np.all(np.isfinite(unscaled)) and np.any((unscaled == 0) & (ref != 0))
 
 
 @pytest.mark.parametrize("mode", ["int8_accum", "fp8_accum"])
@@ -335,6 +362,8 @@ def test_quantized_device_r_holds_chunk_r_exactly(mode):
     rng = np.random.default_rng(3)
     if mode.startswith("int8"):
         values = np.arange(-127, 128)
+    elif mode == "fp16_accum":  # integers are exact in float16 up to 2048, and their sums of 8 in float32
+        values = np.arange(-2048, 2049)
     else:  # float8_e4m3fn values up to 448
         values = np.unique(np.asarray(jnp.asarray(np.linspace(-448, 448, 2001), jnp.float8_e4m3fn), np.float64))
     x = rng.choice(values, size=(n, size)).astype(np.float64)

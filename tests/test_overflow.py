@@ -17,7 +17,7 @@ from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES, block_partition
 
 # float16's subnormal step is 2**-24: a value rounded to the subnormal grid moves by <= 2**-25.
 HALF_SUBNORMAL16 = 2.0 ** -25
-QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0}
+QMAX = {"int8_accum": 127.0, "int8_accum_streamed": 127.0, "fp8_accum": 448.0, "fp16_accum": 65504.0}
 
 # A bucket's parts, each its own quantization blocks: (name, size, magnitudes as fractions of the
 # dtype's largest finite value, or None for ordinary mixed-sign values). "half": every device
@@ -64,14 +64,20 @@ def _mean_bound(mode: str, dtype, x: np.ndarray, scales: np.ndarray | None = Non
       the subnormals: each device's value divided by ``p`` and each partial sum may round to
       the subnormal grid, ``2**-25`` each before the mean's ``p / n`` (the pre-divide's one cost);
     * quantized (``scales``: each device's scale ``s`` of the element's block): each device's
-      rounding in its block (int8: ``s / 2``; fp8: ``|x| / 16 + s / 1024``) over ``n``, plus the
+      rounding in its block (int8: ``s / 2``; fp8: ``|x| / 16 + s / 1024``; fp16: ``|x| / 2048 +
+      s * 2**-25``) over ``n``, plus the
       float32 sum's ``n + 1`` roundings and the quantizer's three of float32 per value (the
       quotient by the scale, the scale, the product) of ``m + mean(s)``: within ``2 (n + 1) u``.
     """
     n = x.shape[0]
     magnitude = np.abs(x).mean(axis=0)
     if mode in QUANTIZED_MODES:
-        own = scales / 2 if mode.startswith("int8") else np.abs(x) / 16 + scales / 1024
+        if mode.startswith("int8"):
+            own = scales / 2
+        elif mode == "fp16_accum":
+            own = np.abs(x) / 2048 + scales * HALF_SUBNORMAL16
+        else:
+            own = np.abs(x) / 16 + scales / 1024
         return own.mean(axis=0) + (n + 1) * EPS32 * (magnitude + scales.mean(axis=0))
     summed = jnp.dtype(dtype) if mode == "bf16" else jnp.dtype(jnp.float32)
     bound = (n + 1) * float(jnp.finfo(summed).eps) / 2 * magnitude
@@ -150,50 +156,50 @@ def test_mean_is_the_sums_one_division_bit_for_bit(mode, n):
 
 PARAMS = {"half": jax.ShapeDtypeStruct((20, 30), jnp.float32), "top": jax.ShapeDtypeStruct((300,), jnp.float32),
           "ordinary": jax.ShapeDtypeStruct((13, 29), jnp.float32)}
-# (reduce mode, wire dtype): every mode on float32's range, and the float16 wire, the one whose
-# range a float32 model's gradients can reach (summed in float16 by "bf16", outer stage too).
-SYNC_CASES = [(m, None) for m in REDUCE_MODES] + [("bf16", jnp.float16)]
+# (reduce mode, gradient dtype): every mode on float32 gradients, and float16 gradients summed in
+# float16 by "bf16" (the outer stage too). An unscaled float16 wire is refused (test_precision).
+SYNC_CASES = [(m, jnp.float32) for m in REDUCE_MODES] + [("bf16", jnp.float16)]
 
 
-def _sync_grads(n: int, top_dtype, seed: int) -> dict[str, jax.Array]:
-    """float32 gradients ``[n, *shape]`` per leaf of ``PARAMS``, as ``PARTS`` describes (relative to
-    ``top_dtype``'s largest finite value), every value representable in ``top_dtype``."""
+def _sync_grads(n: int, dtype, seed: int) -> dict[str, jax.Array]:
+    """``dtype`` gradients ``[n, *shape]`` per leaf of ``PARAMS``, as ``PARTS`` describes (relative to
+    ``dtype``'s largest finite value)."""
     rng = np.random.default_rng(seed)
-    top = float(jnp.finfo(top_dtype).max)
-    return {name: jnp.asarray(jnp.asarray(_values(rng, n, PARAMS[name].shape, fractions, top), top_dtype), jnp.float32)
-            for name, _, fractions in PARTS}
+    top = float(jnp.finfo(dtype).max)
+    return {name: jnp.asarray(_values(rng, n, PARAMS[name].shape, fractions, top), dtype) for name, _, fractions in PARTS}
 
 
-def _sync_bound(mode: str, wire, g: np.ndarray) -> np.ndarray:
-    """:func:`_mean_bound` of one float32 leaf's gradients ``g`` (float64 ``[n, ...]``) sent on
-    ``wire``; a quantized block lies inside a leaf, so its scale is at most the leaf's largest
-    value on that device over ``QMAX``."""
+def _sync_bound(mode: str, dtype, g: np.ndarray) -> np.ndarray:
+    """:func:`_mean_bound` of one leaf's ``dtype`` gradients ``g`` (float64 ``[n, ...]``); a
+    quantized block lies inside a leaf, so its scale is at most the leaf's largest value on that
+    device over ``QMAX``."""
     scales = None
     if mode in QUANTIZED_MODES:
         leaf_max = np.abs(g).reshape(g.shape[0], -1).max(axis=1).reshape((-1,) + (1,) * (g.ndim - 1))
         scales = np.broadcast_to(leaf_max / QMAX[mode], g.shape)
-    return _mean_bound(mode, wire or jnp.float32, g, scales)
+    return _mean_bound(mode, dtype, g, scales)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (3, 2)], ids=["2x4", "3x2"])
-@pytest.mark.parametrize("mode,wire", SYNC_CASES, ids=[f"{m}-{jnp.dtype(w).name if w else 'own'}" for m, w in SYNC_CASES])
-def test_hierarchical_mean_near_the_largest_finite_value_stays_finite(mode, wire, shape):
+@pytest.mark.parametrize("mode,dtype", SYNC_CASES, ids=[f"{m}-{jnp.dtype(d).name}" for m, d in SYNC_CASES])
+def test_hierarchical_mean_near_the_largest_finite_value_stays_finite(mode, dtype, shape):
     """``GradSync`` with an outer axis: the reduce-scatter over ``"data"`` and the all-reduce over
     ``"replica"`` each sum values whose total overflows; the mean over all the devices (6: not a
     power of two) is finite and within its rounding bound of the float64 mean."""
     n = shape[0] * shape[1]
     mesh = Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), ("replica", "data"))
-    sync = jd.GradSync(PARAMS, mesh, outer_axis="replica", reduce=mode, wire_dtype=wire)
-    grads = _sync_grads(n, wire or jnp.float32, seed=n)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), PARAMS)
+    sync = jd.GradSync(params, mesh, outer_axis="replica", reduce=mode)
+    grads = _sync_grads(n, dtype, seed=n)
     fn = jax.jit(_compat.shard_map(lambda g: sync.reduce_scatter(jax.tree.map(lambda x: x[0], g)), mesh=mesh,
                                    in_specs=P(("replica", "data")), out_specs=sync.shard_specs()))
     got = leaves_of(sync, fn(grads))
     x = {k: np.asarray(g, np.float64) for k, g in grads.items()}
-    assert np.all(np.abs(x["half"].sum(axis=0)) > 1.5 * float(jnp.finfo(wire or jnp.float32).max))
+    assert np.all(np.abs(x["half"].sum(axis=0)) > 1.5 * float(jnp.finfo(dtype).max))
     for k, g in got.items():
         assert np.all(np.isfinite(g)), f"{mode}: {k} has {np.sum(~np.isfinite(g))} elements of a finite mean not finite"
     assert_within(got, {k: g.mean(axis=0) for k, g in x.items()},
-                  {k: _sync_bound(mode, wire, g) for k, g in x.items()}, what=f"{mode}, wire {wire}, mesh {shape}")
+                  {k: _sync_bound(mode, dtype, g) for k, g in x.items()}, what=f"{mode}, {jnp.dtype(dtype).name}, mesh {shape}")
 
 
 @pytest.mark.parametrize("microbatches", [2, 3])
@@ -222,3 +228,36 @@ def test_micro_batch_mean_near_the_largest_finite_value_stays_finite(shard_param
     bound = lr * roundings * EPS32 * np.abs(x).mean(axis=0) + 2 * EPS32 * np.abs(want)
     assert np.all(np.isfinite(got))
     assert_within({"w": got}, {"w": want}, {"w": bound}, what="parameters after one step")
+
+
+# (dtype, micro-batches, weighted): the reported loss's mean over the devices, over micro-batches,
+# and the weighted loss's global total over its global count.
+LOSS_CASES = [(jnp.float32, 1, False), (jnp.float32, 3, True), (jnp.float16, 1, False), (jnp.float16, 2, False)]
+
+
+@pytest.mark.parametrize("dtype,microbatches,weighted", LOSS_CASES,
+                         ids=[f"{jnp.dtype(d).name}-{k}-{'weighted' if w else 'mean'}" for d, k, w in LOSS_CASES])
+def test_reported_loss_is_finite_where_its_mean_is(dtype, microbatches, weighted):
+    """Every device's loss near its dtype's largest finite value, one sign: their sum overflows,
+    their mean (the reported loss) does not. Each local loss is one batch value exactly (the
+    parameters' term is far below its rounding), so the float64 mean of the batch is the
+    reference, within the float32 sum's roundings (one per device and micro-batch, and the
+    divisions) and, in float16, the mean's own rounding to float16."""
+    top = float(jnp.finfo(dtype).max)
+    rows = 8 * microbatches  # one row per device and micro-batch
+    x = np.asarray(jnp.asarray(np.random.default_rng(4).uniform(0.6, 0.9, size=(rows,)) * top, dtype))
+    params = {"w": jnp.asarray(np.random.default_rng(5).normal(size=(4,)) * 1e-3, jnp.float32)}
+
+    def loss_fn(p, b):
+        value = b["x"][0] + jnp.sum(p["w"] ** 2).astype(dtype)
+        return jd.WeightedLoss(value, jnp.ones((), jnp.float32)) if weighted else value
+
+    step = jd.make_train_step(params, loss_fn, optax.sgd(1e-3), data_mesh(8),
+                              jd.TrainConfig(microbatches=microbatches, bucket_size=4))
+    _, metrics = step(step.init(), {"x": x})
+    loss = np.float64(jax.device_get(metrics.loss))
+    assert np.isfinite(loss), f"a mean of {x.astype(np.float64).mean():.4g} reported as {loss}"
+    assert np.abs(x.astype(np.float64)).sum() > float(jnp.finfo(dtype).max)
+    want = x.astype(np.float64).mean()
+    bound = (rows + 3) * EPS32 * abs(want) + float(jnp.finfo(dtype).eps) / 2 * abs(want)
+    assert_within({"loss": loss}, {"loss": want}, {"loss": bound}, what=f"{jnp.dtype(dtype).name} loss")

@@ -56,7 +56,7 @@ def test_bf16_wire_for_float32_gradients_accumulates_in_float32():
         jd.GradSync(TREE, data_mesh(8), wire_dtype=jnp.int8)
 
 
-@pytest.mark.parametrize("reduce", ["fp32", "int8_accum", "fp8_accum", "int8_accum_streamed"])
+@pytest.mark.parametrize("reduce", ["fp32", "int8_accum", "fp8_accum", "fp16_accum", "int8_accum_streamed"])
 def test_a_wire_dtype_that_only_rounds_is_refused(reduce):
     """fp32 sends float32 and the quantized modes their own bytes: a bf16 cast first would only
     add error."""
@@ -64,6 +64,19 @@ def test_a_wire_dtype_that_only_rounds_is_refused(reduce):
         jd.GradSync(TREE, data_mesh(8), reduce=reduce, wire_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="without sending fewer bytes"):
         jd.TrainConfig(reduce=reduce, wire_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("reduce", ["bf16", "fp32_accum", "fp32_accum_streamed"])
+@pytest.mark.parametrize("wire,scaled", [(jnp.float16, "fp16_accum"), (jnp.float8_e4m3fn, "fp8_accum"),
+                                         (jnp.float8_e5m2, "fp8_accum")])
+def test_a_wire_with_less_range_than_float32_is_refused_naming_its_scaled_mode(reduce, wire, scaled):
+    """Unscaled, a float16 or float8 wire turns large gradients into inf and small ones into zero:
+    refused, naming the block-scaled mode and bf16 (float32's range at the same bytes)."""
+    message = rf"wire_dtype={jnp.dtype(wire).name} has less range than float32.*reduce='{scaled}'.*bfloat16"
+    with pytest.raises(ValueError, match=message):
+        jd.GradSync(TREE, data_mesh(8), reduce=reduce, wire_dtype=wire)
+    with pytest.raises(ValueError, match=message):
+        jd.TrainConfig(reduce=reduce, wire_dtype=wire)
 
 
 class MLP(nnx.Module):  # Flax's default: float32 params
