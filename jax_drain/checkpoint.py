@@ -339,13 +339,14 @@ def restore_checkpoint(
     _check_target(target)
     steps = _steps(directory)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {directory}")
+        raise FileNotFoundError(f"no checkpoint in {directory}{_incomplete_steps(directory)}")
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be an int (a saved step: {steps}) or None for the newest intact one, "
                             f"got {step!r}")
         if int(step) not in steps:
-            raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}")
+            raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}"
+                                    f"{_incomplete_steps(directory)}")
         return _restore_step(directory, int(step), target)
     damaged = []
     for candidate in reversed(steps):
@@ -1270,6 +1271,21 @@ def _steps(directory: pathlib.Path) -> list[int]:
                 "directory renamed by hand is neither restored nor skipped; rename it back to the step its "
                 "description records, or move it out of the checkpoint directory")
     return sorted(int(p.name) for p in steps)
+
+
+def _incomplete_steps(directory: pathlib.Path) -> str:
+    """What a directory's step-named folders lack, for an error that found no complete step:
+    empty where there are none."""
+    if not directory.is_dir():
+        return ""
+    lacking = sorted((int(p.name), p) for p in directory.iterdir()
+                     if p.is_dir() and p.name.isdigit() and not (p / _META).is_dir())
+    if not lacking:
+        return ""
+    shown = ", ".join(f"{p.name} (holds {sorted(c.name for c in p.iterdir())[:4] or 'nothing'})" for _, p in lacking[:4])
+    return (f". Step directories {shown} lack the '{_META}' description every finished save holds ("
+            "deleted by hand, or not written by jax_drain). They are not restored; move them out of the checkpoint directory "
+            "(or delete them) and restore the steps that are complete")
 
 
 def _read_description(directory: pathlib.Path, step: int) -> dict[str, Any]:

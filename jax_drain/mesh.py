@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain.layout import leaf_paths, unique_leaf_paths
+from jax_drain.layout import leaf_paths, path_str, unique_leaf_paths
 
 PyTree = Any
 Axes = tuple[str, ...]
@@ -267,9 +267,25 @@ def broadcast_prefix(prefix: PyTree, params: PyTree, what: str, is_leaf: Callabl
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"{what} must have the params' structure (or a prefix of it, e.g. one entry per "
-            f"sub-module): {e}"
+            f"sub-module){_prefix_mismatch(prefix, params, is_leaf) or f': {e}'}"
         ) from None
     return [entry for _, entry in jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, tuple) and x[:1] == (marker,))]
+
+
+def _prefix_mismatch(prefix: PyTree, params: PyTree, is_leaf: Callable[[Any], bool]) -> str:
+    """Which parameters no entry of ``prefix`` covers, and which entries match no parameter
+    (readable paths, a few of each); empty where the paths match and the structures differ otherwise."""
+    entries = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf)[0]]
+    leaves = leaf_paths(params)
+    under = lambda leaf, entry: not entry or leaf == entry or leaf.startswith(entry + "/")
+    missing = [leaf for leaf in leaves if not any(under(leaf, e) for e in entries)]
+    extra = [e for e in entries if not any(under(leaf, e) for leaf in leaves)]
+    show = lambda paths: ", ".join(repr(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    parts = ([f"no entry for the parameters {show(missing)}"] if missing else []) + (
+        [f"entries {show(extra)} match no parameter"] if extra else [])
+    if not parts:
+        return ""
+    return ": " + "; ".join(parts) + ". Give every parameter an entry (None: replicated), or one entry for a whole sub-tree"
 
 
 def leaf_specs(params: PyTree, param_specs: PyTree | None) -> list[PartitionSpec]:

@@ -238,6 +238,21 @@ def _inside_runs(index: jax.Array, boundaries: Sequence[int]) -> jax.Array:
     return (crossed & 1) == 1
 
 
+def _check_static_mask(mask: Mask) -> None:
+    """Refuses a mask that is an array, or holds arrays: a mask says which parameters (whole
+    leaves) an optimizer applies to, one Python bool per leaf or sub-tree."""
+    for path, m in jax.tree_util.tree_leaves_with_path(mask):
+        if isinstance(m, (bool, np.bool_)) or (
+                np.ndim(m) == 0 and np.dtype(getattr(m, "dtype", object)) == np.bool_ and not isinstance(m, jax.core.Tracer)):
+            continue
+        where = f"mask entry {jax.tree_util.keystr(path)!r}" if path else "the mask"
+        kind = f"an array of shape {np.shape(m)}" if hasattr(m, "shape") else f"a {type(m).__name__}"
+        raise TypeError(
+            f"masked(inner, mask): {where} is {kind}, not a Python bool. A mask holds one bool "
+            "per parameter leaf (or sub-tree), with the params' structure, or is a callable params -> such a "
+            "tree, e.g. lambda p: jax.tree.map(lambda x: x.ndim > 1, p); it selects whole parameters, not elements")
+
+
 def _leaf_mask(mask: Mask, params: PyTree) -> list[bool]:
     tree = mask(params) if callable(mask) else mask
     entries = broadcast_prefix(tree, params, "the mask", lambda x: isinstance(x, (bool, np.bool_)) or x is None)
@@ -272,6 +287,8 @@ def masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTra
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(f"masked(inner, mask): inner must be an optax GradientTransformation, got "
                         f"{type(inner).__name__}")
+    if not callable(mask):
+        _check_static_mask(mask)
     plain = optax.masked(inner, mask)
     inner = optax.with_extra_args_support(inner)
 

@@ -217,7 +217,7 @@ class TrainConfig:
             the model's remat (``jax.checkpoint``) regions instead of keeping it from forward.
         error_feedback: keep each device's wire rounding error and add it to its next gradient
             (:mod:`jax_drain.feedback`), so a quantized wire's error does not accumulate over
-            steps. Needs a lossy wire (``reduce="int8_accum"``, ``"fp8_accum"``,
+            steps. Needs a lossy wire (``reduce="int8_accum"``, ``"fp8_accum"``, ``"fp16_accum"``,
             ``"int8_accum_streamed"``, or ``fp32_accum`` with a narrower ``wire_dtype`` or bf16
             gradients). The residuals live in ``TrainState.error_feedback`` (one local gradient
             copy per device, with ``shard_params`` too) and stay unchanged on a skipped step.
@@ -995,6 +995,15 @@ class TrainStep:
         need = self.data_size * self.config.microbatches
         for path, x in zip(leaf_paths(batch), leaves):
             shape = np.shape(x)
+            if isinstance(x, (bool, int, float, complex)):
+                parts = path.split("/")
+                while parts and parts[-1].isdigit():
+                    parts.pop()
+                container = "/".join(parts) or "the batch"
+                raise ValueError(
+                    f"batch leaf {path!r} is a Python number: JAX takes a list or tuple as a pytree, so a list "
+                    f"of numbers is a tree of scalar leaves, not an array. Pass arrays: np.asarray of {container!r} "
+                    f"(a list of rows becomes one [batch, ...] array)")
             if not shape or shape[0] % need:
                 raise ValueError(
                     f"batch leaf {path!r} has shape {shape}: its leading (example) dimension must "
@@ -1021,6 +1030,8 @@ class TrainStep:
                 f"params are {'replicated' if self.config.shard_params else 'ZeRO-3 shards'}; restore the checkpoint "
                 "into step.abstract_state(), which converts between the two"
             )
+        if not self.config.shard_params:
+            self._check_state_params(state.params)
         feedback = state.error_feedback
         if self.config.error_feedback != (feedback is not None):
             raise ValueError(
@@ -1031,6 +1042,22 @@ class TrainStep:
         if feedback is not None and feedback.fingerprint != self.sync.fingerprint:
             raise ValueError("the state's error-feedback residuals belong to another bucket layout; "
                              "restore it through jd.restore_checkpoint(dir, step.abstract_state()), which resets them")
+
+    def _check_state_params(self, params: PyTree) -> None:
+        """Refuses params of another structure or shape than this step's model: the loss would
+        fail deep inside with a shape error that names no parameter."""
+        want = self._abstract_params
+        if jax.tree.structure(params) != jax.tree.structure(want):
+            raise ValueError(
+                f"state.params has {len(jax.tree.leaves(params))} leaves in another structure than this step's "
+                f"model ({len(jax.tree.leaves(want))} leaves): use this step's init(), or restore into "
+                "step.abstract_state()")
+        for path, got, expected in zip(leaf_paths(want), jax.tree.leaves(params), jax.tree.leaves(want)):
+            if np.shape(got) != tuple(expected.shape):
+                raise ValueError(
+                    f"state.params leaf {path!r} has shape {np.shape(got)}, but this step's model has "
+                    f"{tuple(expected.shape)}: the state belongs to another model (or was edited). Use this "
+                    "step's init(), or restore a checkpoint into step.abstract_state()")
 
     def _check_tx_state(self, inner: PyTree) -> None:
         """Refuses a tx state made by another optimizer (another ``tx``): its structure or shapes

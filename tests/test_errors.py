@@ -553,3 +553,58 @@ def test_explicit_param_specs_are_checked_by_parameter_before_placing(specs, mes
     with pytest.raises(ValueError, match=message):
         jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8),
                            jd.TrainConfig(param_specs=specs), example_batch=_STEP_BATCH)
+
+
+# -- inputs whose first error came from the libraries underneath ----------------------------------------
+
+@pytest.mark.parametrize("shard_params", [False, True], ids=["replicated", "zero3"])
+def test_partial_param_specs_name_the_parameters_without_an_entry(shard_params):
+    with pytest.raises(ValueError, match=r"param_specs must have the params' structure .*no entry for the parameters "
+                                         r"'b'; entries 'c' match no parameter\. Give every parameter an entry"):
+        jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8),
+                           jd.TrainConfig(param_specs={"a": P(), "c": P()}, shard_params=shard_params),
+                           example_batch=_STEP_BATCH)
+
+
+def test_a_batch_of_python_lists_is_named_as_such():
+    batch = {"x": _STEP_BATCH["x"].tolist()}
+    with pytest.raises(ValueError, match=r"batch leaf 'x/0/0' is a Python number: JAX takes a list .* np\.asarray "
+                                         r"of 'x' \(a list of rows"):
+        jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8), example_batch=batch)
+
+
+def test_a_state_whose_params_have_another_shape_is_refused_naming_the_leaf():
+    step = jd.make_train_step(_STEP_PARAMS, _product_loss, optax.sgd(0.1), data_mesh(8), example_batch=_STEP_BATCH)
+    state = step.init()
+    wrong = state._replace(params={**state.params, "b": jnp.zeros((8, 4), jnp.float32)})
+    with pytest.raises(ValueError, match=r"state\.params leaf 'b' has shape \(8, 4\), but this step's model has "
+                                         r"\(16, 4\).*step's init\(\)"):
+        step(wrong, _STEP_BATCH)
+    with pytest.raises(ValueError, match=r"state\.params has 1 leaves in another structure"):
+        step(state._replace(params={"a": state.params["a"]}), _STEP_BATCH)
+    state, metrics = step(state, _STEP_BATCH)  # the state itself is untouched by the refusals
+    assert np.isfinite(float(metrics.loss))
+
+
+@pytest.mark.parametrize("mask", [jnp.array([True, False]), {"a": True, "b": np.ones(3, bool)}], ids=["array", "entry"])
+def test_masked_given_an_array_mask_says_masks_are_per_parameter(mask):
+    with pytest.raises(TypeError, match=r"masked\(inner, mask\): (the mask|mask entry \"\['b'\]\") is an array of "
+                                        r"shape \((2|3),\), not a Python bool.*selects whole parameters"):
+        jd.masked(optax.add_decayed_weights(0.1), mask)
+    jd.masked(optax.add_decayed_weights(0.1), {"a": True, "b": np.bool_(False)})  # numpy bools are bools
+
+
+@pytest.mark.parametrize("removed", ["jax_drain", "_CHECKPOINT_METADATA"])
+def test_a_step_directory_missing_its_metadata_is_named(saved, tmp_path, removed):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    for step in ("1", "2"):
+        target = directory / step / removed
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    expected = r"Step directories 1 \(holds .*\), 2 \(holds .*\) lack the 'jax_drain' description"
+    if removed == "jax_drain":
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*" + expected):
+            jd.restore_checkpoint(directory, saved[1])
+    else:  # orbax's own marker: the steps stay readable
+        state, _ = jd.restore_checkpoint(directory, saved[1])
+        np.testing.assert_array_equal(state["w"], saved[1]["w"])
