@@ -63,14 +63,15 @@ def _of_dtype(tree, dtype):
 
 
 # Averaging scales each bucket alike, whatever the layout: the sum is checked on one layout.
-# Undrained against drained on the layouts of several buckets (one whole bucket has no drain).
+# Undrained against drained on one layout of several buckets (one whole bucket has no drain; the
+# drain orders buckets, whatever their number).
 @pytest.mark.parametrize("bucket_size, average", [(None, True), (1000, True), (1, True), (1000, False)])
 def test_reduce_scatter_matches_float64_reference(bucket_size, average):
     mesh = data_mesh(8)
     grads = per_device_grads(np.random.default_rng(1), VALUES, 8, scale=SCALES)
     ref, magnitude = _reference(grads, average)
     results, errors = {}, {}
-    drains = (False, True) if bucket_size is not None and average else (True,)
+    drains = (False, True) if bucket_size == 1000 and average else (True,)
     for mode in jd.REDUCE_MODES:
         for drain in drains:
             sync = jd.GradSync(VALUES, mesh, bucket_size=bucket_size, reduce=mode, drain=drain, average=average)
