@@ -784,9 +784,13 @@ class TrainStep:
         global_micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // k, *np.shape(x)[1:]), x.dtype),
                                     batch)
         gspmd = self.tensor_parallel == "gspmd"
-        order = grad_ready_order(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
-                                 mesh=mesh, in_specs=(self._param_specs, self._batch_spec),
-                                 axis_names=config.data_axes if gspmd else None)
+        try:
+            order = grad_ready_order(self._scalar_loss(in_shard_map=True), self._abstract_params, global_micro,
+                                     mesh=mesh, in_specs=(self._param_specs, self._batch_spec),
+                                     axis_names=config.data_axes if gspmd else None)
+        except Exception as error:
+            self._explain_local_blocks(error, global_micro)
+            raise
         options = dict(
             axis=config.axis, bucket_size=config.bucket_size, reduce=config.reduce, drain=config.drain,
             max_in_flight=config.max_in_flight, order=order, outer_axis=config.outer_axis,
@@ -988,6 +992,25 @@ class TrainStep:
         return params, opt_state, model_state, feedback, metrics
 
     # -- checks -----------------------------------------------------------------------------
+    def _explain_local_blocks(self, error: Exception, batch: PyTree) -> None:
+        """Raises a ``ValueError`` that names ``tensor_parallel='gspmd'`` when the loss failed
+        on local blocks (``"manual"``, chosen by default from ``param_specs``) but runs on the
+        global shapes: a model written for GSPMD (pjit), whose own error (a shape mismatch deep
+        in Flax or ``dot_general``) would not say so."""
+        if self.tensor_parallel != "manual" or self.config.tensor_parallel is not None or not shards_any(self._specs):
+            return
+        try:
+            jax.eval_shape(self._scalar_loss(in_shard_map=False), self._abstract_params, batch)
+        except Exception:  # noqa: BLE001 - fails on global shapes too: the loss's own error stands
+            return
+        raise ValueError(
+            "the loss fails on local blocks but runs on the parameters' global shapes: it is written for GSPMD "
+            "(pjit), not for tensor_parallel='manual', which param_specs selects by default (each device's loss "
+            "sees its own slice of every sharded parameter and does its own psum). Give "
+            "TrainConfig(tensor_parallel='gspmd', param_specs=...), and XLA partitions the loss over the model "
+            f"axes. The loss's error on local blocks: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        ) from error
+
     def _check_batch(self, batch: PyTree) -> PyTree:
         leaves = jax.tree.leaves(batch)
         if not leaves:

@@ -608,3 +608,23 @@ def test_a_step_directory_missing_its_metadata_is_named(saved, tmp_path, removed
     else:  # orbax's own marker: the steps stay readable
         state, _ = jd.restore_checkpoint(directory, saved[1])
         np.testing.assert_array_equal(state["w"], saved[1]["w"])
+
+
+def test_param_specs_for_a_model_written_for_global_shapes_name_gspmd():
+    """A linen model written for pjit (global shapes) given only param_specs: the default
+    tensor_parallel='manual' hands its loss local blocks and Flax raises a shape error about a
+    kernel; the step says to use tensor_parallel='gspmd', and that builds."""
+    from flax import linen
+
+    module = linen.Dense(8)
+    params = module.init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    loss = lambda p, b: jnp.mean((module.apply({"params": p}, b["x"]) - b["y"]) ** 2)  # noqa: E731
+    batch = {"x": _RNG.normal(size=(8, 16)).astype(np.float32), "y": _RNG.normal(size=(8, 8)).astype(np.float32)}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    specs = {"kernel": P(None, "model"), "bias": P("model")}
+    with pytest.raises(ValueError, match=r"(?s)fails on local blocks but runs on the parameters' global shapes.*"
+                                         r"tensor_parallel='gspmd', param_specs=.*ScopeParamShapeError"):
+        jd.make_train_step(params, loss, optax.sgd(0.1), mesh, jd.TrainConfig(param_specs=specs), example_batch=batch)
+    step = jd.make_train_step(params, loss, optax.sgd(0.1), mesh,
+                              jd.TrainConfig(param_specs=specs, tensor_parallel="gspmd"), example_batch=batch)
+    assert step.tensor_parallel == "gspmd"
