@@ -11,7 +11,8 @@ _quiet.start()  # before jax starts: no CUDA-plugin noise where there is no GPU 
 
 from jax_drain.chain import BucketChain
 from jax_drain.checkpoint import (
-    CheckpointBusyError, CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError, latest_step,
+    CheckpointBusyError, CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError,
+    CheckpointStepExistsError, latest_step,
     restore_checkpoint, save_checkpoint, save_checkpoint_async,
 )
 from jax_drain.collectives import REDUCE_MODES, reduce_scatter_bucket
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "CheckpointStepExistsError",
     "DistState",
     "DistributedOptimizer",
     "FlatShards",

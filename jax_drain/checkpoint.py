@@ -8,7 +8,9 @@ of each :class:`~jax_drain.optimizer.DistState` in it.
 
 * **Integrity**: restoring verifies every array's checksum; a corrupted array file is refused
   with an error naming the array and its directory, by every process alike. Without ``step=``
-  the newest *intact* step is restored (damaged newer steps are skipped with a warning).
+  the newest *intact* step is restored; the damaged newer steps are moved to
+  ``<directory>/damaged/`` (so the resumed run can save those step numbers again) and reported
+  by a warning and a WARNING record of the ``jax_drain.checkpoint`` logger.
 * **The memory of one process's shards**: each process writes the shards it holds and reads
   back, straight from the files, only the blocks its devices hold.
 * **Moving**: a checkpoint restores into a step built for another data-axis size, bucket size,
@@ -91,6 +93,7 @@ FORMAT_VERSION = 5
 _READABLE_FORMATS = (3, 4, FORMAT_VERSION)
 _STATE, _META = "state", "jax_drain"
 _SUPERSEDED = "superseded"  # where supersede_newer=True moves the steps it replaces
+_DAMAGED = "damaged"  # where a restore moves the damaged steps newer than the one it restored
 _LOCK_FILE = ".jax_drain-saving"  # held (flock) by the process saving into the directory
 _META_FILE = "metadata"  # the file orbax's JsonSave writes the description to, in the _META item
 # One shard set of a DistState: its master shards, or one FlatShards node of the tx state.
@@ -115,9 +118,10 @@ class CheckpointSaveError(RuntimeError):
     saved; the earlier steps are intact). Its cause is orbax's error."""
 
 
-class _StepExistsError(FileExistsError, ValueError):
-    """The step is saved already: a ``FileExistsError`` and, like every step out of order, a
-    ``ValueError``."""
+class CheckpointStepExistsError(FileExistsError, ValueError):
+    """The step is saved already (nothing was overwritten): a ``FileExistsError`` and, like
+    every step out of order, a ``ValueError``. Save under a later step, or pass
+    ``supersede_newer=True`` to go on from an earlier step you restored."""
 
 
 def state_description(state: PyTree) -> dict[str, Any]:
@@ -320,8 +324,12 @@ def restore_checkpoint(
         target: the state to restore into: arrays or ``jax.ShapeDtypeStruct``s *with shardings*,
             e.g. ``train_step.abstract_state()``: the same model, on any mesh and bucket layout.
             Only structure, shapes, dtypes, shardings and layouts are read.
-        step: which saved step; ``None`` for the newest step that is intact (a damaged newer
-            step is skipped with a warning).
+        step: which saved step; ``None`` for the newest step that is intact. Damaged newer
+            steps are skipped and moved to ``<directory>/damaged/``, so a run resumed from the
+            restored step saves those step numbers again; each is reported by a ``UserWarning``
+            naming what is damaged, and the move by a WARNING record of the
+            ``jax_drain.checkpoint`` logger with the attributes ``damaged_steps``,
+            ``restored_step`` and ``moved_to``.
 
     Returns:
         ``(state, extra)``: the restored state (``target``'s tree, arrays placed with
@@ -348,14 +356,18 @@ def restore_checkpoint(
             raise FileNotFoundError(f"{directory} has no step {step}; saved steps: {steps}"
                                     f"{_incomplete_steps(directory)}")
         return _restore_step(directory, int(step), target)
-    damaged = []
+    damaged: dict[int, str] = {}
     for candidate in reversed(steps):
         try:
-            return _restore_step(directory, candidate, target)
+            restored = _restore_step(directory, candidate, target)
         except CheckpointCorruptError as e:
-            damaged.append(str(e))
+            damaged[candidate] = str(e)
             warnings.warn(f"{e} Trying the previous step.", stacklevel=2)
-    raise CheckpointCorruptError(f"every step in {directory} is damaged:\n" + "\n".join(damaged))
+            continue
+        if damaged:
+            _set_aside_damaged(directory, sorted(damaged), candidate)
+        return restored
+    raise CheckpointCorruptError(f"every step in {directory} is damaged:\n" + "\n".join(damaged.values()))
 
 
 # -- internals ----------------------------------------------------------------------------------
@@ -479,7 +491,7 @@ def _check_order(directory: pathlib.Path, step: int, existing: list[int], supers
     branch = (f"To go on from an earlier step you restored, pass supersede_newer=True: steps {newer} move to "
               f"{directory / _SUPERSEDED}. Otherwise save under a step after {existing[-1]}, or into a new directory.")
     if step in existing:
-        raise _StepExistsError(f"{directory} already has step {step}; nothing was overwritten. {branch}")
+        raise CheckpointStepExistsError(f"{directory} already has step {step}; nothing was overwritten. {branch}")
     raise ValueError(f"save_checkpoint: step={step} is before the newest step {existing[-1]} in {directory}, so "
                      f"it would never be restored as the latest; nothing was written. {branch}")
 
@@ -492,12 +504,30 @@ def _every_process_here(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
-    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix); in a
-    multi-process run the first process moves them."""
+def _set_aside_damaged(directory: pathlib.Path, steps: list[int], restored: int) -> None:
+    """Moves the damaged ``steps`` newer than ``restored`` to ``directory/damaged/`` (the first
+    process, once every process has tried them), so a run resumed from ``restored`` can save
+    those step numbers; reports it on the ``jax_drain.checkpoint`` logger, whose record carries
+    ``damaged_steps``, ``restored_step`` and ``moved_to`` (``None`` where the move failed)."""
+    _every_process_here("jax_drain damaged steps tried")
+    aside: pathlib.Path | None = directory / _DAMAGED
+    try:
+        _move_steps(directory, steps, aside)
+    except OSError as e:  # a read-only copy, say: the restore itself stands
+        warnings.warn(f"could not move the damaged steps {steps} of {directory} aside ({e}); a save of those step "
+                      "numbers will be refused until they are moved out of the directory", stacklevel=3)
+        aside = None
+    _every_process_here("jax_drain damaged steps moved")
+    _log.warning("restored step %d of %s; the newer steps %s are damaged%s", restored, directory, steps,
+                 f" and were moved to {aside}" if aside else "",
+                 extra={"damaged_steps": steps, "restored_step": restored, "moved_to": aside})
+
+
+def _move_steps(directory: pathlib.Path, steps: list[int], aside: pathlib.Path) -> None:
+    """Moves ``steps`` into ``aside`` (a name taken already gets a suffix); in a multi-process
+    run the first process moves them."""
     if not steps or jax.process_index() != 0:
         return
-    aside = directory / _SUPERSEDED
     aside.mkdir(exist_ok=True)
     for step in steps:
         target, n = aside / str(step), 0
@@ -505,7 +535,15 @@ def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
             n += 1
             target = aside / f"{step}.{n}"
         os.rename(directory / str(step), target)
-    _log.info("moved steps %s of %s to %s", steps, directory, aside)
+
+
+def _supersede(directory: pathlib.Path, steps: list[int]) -> None:
+    """Moves ``steps`` to ``directory/superseded/`` (a name taken already gets a suffix); in a
+    multi-process run the first process moves them."""
+    if not steps or jax.process_index() != 0:
+        return
+    _move_steps(directory, steps, directory / _SUPERSEDED)
+    _log.info("moved steps %s of %s to %s", steps, directory, directory / _SUPERSEDED)
 
 
 def _start_save(directory: pathlib.Path, step: int, arrays: dict[str, Any], meta: dict[str, Any],

@@ -105,9 +105,32 @@ def test_a_save_out_of_order_is_refused_and_nothing_is_written(case, copy, tmp_p
 
 
 def test_a_step_saved_already_is_both_file_exists_and_value_error(copy):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(jd.CheckpointStepExistsError) as info:
         jd.save_checkpoint(copy, _state(9), step=4)
-    assert isinstance(info.value, FileExistsError)
+    assert isinstance(info.value, FileExistsError) and isinstance(info.value, ValueError)
+
+
+def test_the_resume_loop_goes_on_past_a_damaged_newest_step(copy, caplog):
+    """The quick start's loop (restore the newest, train, save every 2 steps) over a byte flipped
+    in step 4: the restore falls back to step 2, moves step 4 to damaged/ and says so through a
+    warning and a logger record the caller can read; the loop then saves step 4 again, and the
+    next restore returns it."""
+    array_file = max((p for p in (copy / "4" / "state").rglob("*") if p.is_file() and p.name[0].isdigit()),
+                     key=lambda p: p.stat().st_size)
+    data = bytearray(array_file.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    array_file.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="jax_drain.checkpoint"):
+        with pytest.warns(UserWarning, match=r"(?s)4: array .* Trying the previous step"):
+            state, extra = jd.restore_checkpoint(copy, _target())
+    assert extra == {"data_position": 2} and float(state["c"][0]) == 2
+    (record,) = [r for r in caplog.records if getattr(r, "damaged_steps", None)]
+    assert (record.damaged_steps, record.restored_step, record.moved_to) == ([4], 2, copy / "damaged")
+    assert sorted(p.name for p in (copy / "damaged").iterdir()) == ["4"] and latest_step(copy) == 2
+    for _ in range(2):  # trained on; the save of step 4 is the loop's next one
+        state = jax.tree.map(lambda x: x + 1, state)
+    jd.save_checkpoint(copy, state, step=4, extra={"data_position": 4})
+    assert _restored_value(copy) == 4 and latest_step(copy) == 4
 
 
 def test_going_on_from_an_earlier_step_supersedes_the_newer_ones(copy):

@@ -318,9 +318,10 @@ def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batc
     """In the run that saved them: the ZeRO-3 checkpoint restored into a ZeRO-1 step with
     another bucket size (re-laid one parameter at a time), its master weights; then a byte
     of ZeRO-1's newest step flipped by process 0 (in a replicated parameter, which every process
-    reads), and a restore falling back to the step before on every process; and a copy of that
+    reads), a restore falling back to the step before on every process, and the next step saved
+    under the damaged one's number (moved aside by the restore); and a copy of that
     step with a chunk only the last process reads cut short, refused by every process.
-    ``ckpt/moved/*``, ``ckpt/fallback_*`` and ``ckpt/one_sided`` results."""
+    ``ckpt/moved/*``, ``ckpt/fallback_*``, ``ckpt/resaved_step`` and ``ckpt/one_sided`` results."""
     import warnings
 
     import jax
@@ -348,6 +349,11 @@ def _moved_and_damaged(directory: str | os.PathLike, host: dict, mesh: Any, batc
         restored, _ = jd.restore_checkpoint(Path(directory) / "zero1", zero1.abstract_state())
     out["ckpt/fallback_step"] = np.array(int(restored.step))
     out["ckpt/fallback_warning"] = np.array(" ".join(str(w.message) for w in caught))
+    # The resume loop goes on: one step trained from the fallback and saved under the damaged
+    # step's number, which the restore moved aside.
+    trained, _ = zero1(restored, batch)
+    jd.save_checkpoint(Path(directory) / "zero1", trained, extra={"kind": "zero1"})
+    out["ckpt/resaved_step"] = np.array(jd.latest_step(Path(directory) / "zero1"))
     # A copy of step 2 with a chunk that only the last process reads cut short: that process
     # cannot decode it, the others read theirs; every process must refuse it, none wait.
     one_sided = Path(directory) / "one_sided"
