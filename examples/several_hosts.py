@@ -80,7 +80,7 @@ def train(ckpt: str, steps: int) -> None:
         return {"x": x, "y": np.tanh(x)}
 
     step = jd.make_train_step(model, loss_fn, optax.adamw(1e-2), mesh, jd.TrainConfig(bucket_size=2048),
-                              example_batch=step_batch_shape(my_rows(), hosts))
+                              example_batch=jd.global_batch_shape(my_rows()))
     state = step.init()
     if jd.latest_step(ckpt) is not None:  # resume: any host count that divides the batch
         state, _ = jd.restore_checkpoint(ckpt, step.abstract_state())
@@ -91,13 +91,6 @@ def train(ckpt: str, steps: int) -> None:
         print(f"{hosts} hosts x {per_host} devices: step {int(state.step)}, loss {float(metrics.loss):.4f}, "
               f"checkpoint {ckpt}/{int(state.step)}; up.kernel held as {state.params['up']['kernel'].addressable_shards[0].data.shape} "
               f"blocks of {state.params['up']['kernel'].shape}")
-
-
-def step_batch_shape(rows: dict, hosts: int) -> dict:
-    """The global batch's shapes (every host's rows together), for ``example_batch``."""
-    import jax
-
-    return {k: jax.ShapeDtypeStruct((v.shape[0] * hosts, *v.shape[1:]), v.dtype) for k, v in rows.items()}
 
 
 def launch_local(n: int, argv: list[str]) -> int:

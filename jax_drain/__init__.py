@@ -26,7 +26,7 @@ from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.scan import ScanGradSync, ScanShards, stacked_leaves
 from jax_drain.shardings import declared_specs
 from jax_drain.sync import GradSync, Shards, local_params
-from jax_drain.train import StepMetrics, TrainConfig, TrainState, TrainStep, make_train_step
+from jax_drain.train import StepMetrics, TrainConfig, TrainState, TrainStep, global_batch_shape, make_train_step
 
 __version__ = "0.1.0"
 
@@ -60,6 +60,7 @@ __all__ = [
     "grad_ready_order",
     "latest_step",
     "local_params",
+    "global_batch_shape",
     "make_train_step",
     "masked",
     "reduce_scatter_bucket",

@@ -1140,6 +1140,29 @@ def _copy(tree: PyTree) -> PyTree:
     return jax.tree.map(jnp.copy, tree)
 
 
+def global_batch_shape(rows: PyTree) -> PyTree:
+    """The global batch's shapes from this process's own ``rows``: every leaf as a
+    ``jax.ShapeDtypeStruct`` whose leading (example) dimension is ``rows``' times the number of
+    processes. What ``make_train_step(..., example_batch=...)`` takes in a multi-process run
+    whose processes each read their own rows (then fed as ``step.local_batch(rows)``); in one
+    process, the rows' own shapes.
+
+    Example::
+
+        rows = next(my_loader)   # this process's rows
+        step = jd.make_train_step(model, loss_fn, tx, mesh, example_batch=jd.global_batch_shape(rows))
+        state, metrics = step(step.init(), step.local_batch(rows))
+    """
+    leaves = jax.tree.leaves(rows)
+    if not leaves or any(np.ndim(x) == 0 for x in leaves):
+        raise ValueError("global_batch_shape: rows must be a pytree of arrays with a leading (example) dimension, got "
+                         f"{jax.tree.map(np.shape, rows)}")
+    processes = jax.process_count()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]),
+                                                       np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype),
+                        rows)
+
+
 def make_train_step(
     model: nnx.Module | PyTree,
     loss_fn: Callable[[Any, PyTree], Any],

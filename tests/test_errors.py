@@ -628,3 +628,12 @@ def test_param_specs_for_a_model_written_for_global_shapes_name_gspmd():
     step = jd.make_train_step(params, loss, optax.sgd(0.1), mesh,
                               jd.TrainConfig(param_specs=specs, tensor_parallel="gspmd"), example_batch=batch)
     assert step.tensor_parallel == "gspmd"
+
+
+def test_global_batch_shape_is_the_rows_shapes_times_the_processes():
+    rows = {"x": np.zeros((4, 3), np.float32), "ids": jnp.zeros((4,), jnp.int32)}
+    got = jd.global_batch_shape(rows)
+    assert got == {"x": jax.ShapeDtypeStruct((4 * jax.process_count(), 3), np.float32),
+                   "ids": jax.ShapeDtypeStruct((4 * jax.process_count(),), jnp.int32)}
+    with pytest.raises(ValueError, match="leading \\(example\\) dimension"):
+        jd.global_batch_shape({"x": np.float32(1.0)})
