@@ -66,7 +66,8 @@ def run_one(tp: int, tensor_parallel: str, reduce: str, drain: bool, target: str
     return dict(tp=tp, tensor_parallel=tensor_parallel, strategy=strategy, overlap_limit=overlap,
                 buckets=sync.num_buckets, bucket_size=bucket_size, largest_bucket=max(sync.bucket_sizes),
                 bucket_bytes=4 * max(sync.bucket_sizes), temp_bytes=report.temp_bytes,
-                argument_bytes=report.argument_bytes, buckets_in_flight=report.buckets_in_flight)
+                argument_bytes=report.argument_bytes, buckets_in_flight=report.buckets_in_flight,
+                predicted_step_s=report.predicted_step_s, exposed_comm_s=report.exposed_comm_s)
 
 
 def with_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,17 +80,25 @@ def with_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
 def markdown(rows: list[dict[str, Any]], buckets: str) -> str:
     out = [f"### 8B MLP-block stack ({LAYERS} blocks, d_model {D_MODEL}), 64 compile-only H100s ({TOPOLOGY}), "
            f"{buckets}, {TOKENS} tokens per data-parallel device", "",
            "Above the floor: temp memory above `no_comm`'s, in float32 bytes of the largest bucket. "
-           "Overlap: XLA's limit on asynchronous collectives in flight (1 is its default).", "",
+           "Overlap: XLA's limit on asynchronous collectives in flight (1 is its default). Step and exposed: "
+           "XLA's predicted step time and the communication it leaves exposed, in ms (estimates of the "
+           "latency-hiding scheduler, not measured on a GPU).", "",
            "| TP | tensor parallel | overlap | strategy | buckets | largest bucket (fp32) MiB | temp GiB "
-           "| above the floor (buckets) | buckets in flight |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| above the floor (buckets) | buckets in flight | step ms | exposed ms |",
+           "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['tp']} | {r['tensor_parallel']} | {r['overlap_limit']} | {r['strategy']} | {r['buckets']} | "
                    f"{r['bucket_bytes'] / 2**20:,.0f} | {r['temp_bytes'] / 2**30:.2f} | "
-                   f"{r['above_floor_buckets']:+.2f} | {r['buckets_in_flight']} |")
+                   f"{r['above_floor_buckets']:+.2f} | {r['buckets_in_flight']} | {_ms(r.get('predicted_step_s'))} | "
+                   f"{_ms(r.get('exposed_comm_s'))} |")
     return "\n".join(out) + "\n"
 
 
