@@ -296,12 +296,12 @@ def test_an_edited_description_is_refused_and_the_previous_step_restored(edit, t
                r"is unreadable \(it does not match its checksum: it was edited or damaged after saving\)")
     with pytest.raises(jd.CheckpointCorruptError, match=message):
         jd.restore_checkpoint(directory, moved.abstract_state(), step=2)
-    with pytest.warns(UserWarning, match=message):
-        restored, extra = jd.restore_checkpoint(directory, moved.abstract_state())
-    assert extra == {"data_position": 1}
-    np.testing.assert_array_equal(jax.device_get(restored.params["w_in"]), params["w_in"])
     with pytest.raises(jd.CheckpointCorruptError, match=re.escape(str(metadata))):  # nor saved next to
         jd.save_checkpoint(directory, state, step=3)
+    with pytest.warns(UserWarning, match=message):
+        restored, extra = jd.restore_checkpoint(directory, moved.abstract_state())
+    assert extra == {"data_position": 1} and (directory / "damaged" / "2").is_dir()
+    np.testing.assert_array_equal(jax.device_get(restored.params["w_in"]), params["w_in"])
 
 
 def test_a_description_written_before_it_was_checksummed_is_read(copy):

@@ -167,15 +167,17 @@ def test_damaged_checkpoint_description_names_the_step_and_file(damage, saved, t
     with pytest.raises(jd.CheckpointMismatchError, match=expected) as info:
         jd.restore_checkpoint(directory, saved[1], step=2)
     assert isinstance(info.value, CheckpointCorruptError)
-    # The newest intact step is what a restore without step= falls back to, with a warning.
-    with pytest.warns(UserWarning, match=expected):
-        state, _ = jd.restore_checkpoint(directory, saved[1])
-    np.testing.assert_array_equal(state["w"], saved[1]["w"])
     # Saving next to it is refused the same way, before anything is written.
     before = sorted(p.name for p in directory.iterdir())
     with pytest.raises(CheckpointCorruptError, match=re.escape(str(metadata))):
         jd.save_checkpoint(directory, saved[1], step=3)
     assert sorted(p.name for p in directory.iterdir()) == before
+    # The newest intact step is what a restore without step= falls back to, with a warning; the
+    # damaged step is moved aside.
+    with pytest.warns(UserWarning, match=expected):
+        state, _ = jd.restore_checkpoint(directory, saved[1])
+    np.testing.assert_array_equal(state["w"], saved[1]["w"])
+    assert jd.latest_step(directory) == 1 and (directory / "damaged" / "2" / "state").is_dir()
     # The other step is intact.
     state, _ = jd.restore_checkpoint(directory, saved[1], step=1)
     np.testing.assert_array_equal(state["w"], saved[1]["w"])
