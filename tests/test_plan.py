@@ -611,6 +611,27 @@ def test_verdict_activations_and_sync():
     assert "add --strategy no_comm" in alone
 
 
+def test_verdict_weighs_the_faster_rival_by_xla_s_predicted_step():
+    """Where every plan is priced, the rival worth more memory is one XLA predicts faster (not
+    one that only overlaps more), quoted with both steps and their exposed communication."""
+    import dataclasses
+
+    from jax_drain.planner.timing import StepTime
+
+    def priced(name, temp, step_ms, exposed_ms, pairs):
+        timed = StepTime(step_ms / 1e3, exposed_ms / 1e3, {"all-to-all": exposed_ms / 1e3}, 0.0, step_ms / 1e3, None)
+        return compare.Row(name, dataclasses.replace(_plan(name, temp, pairs, 4, 1000), step_time=timed))
+
+    rows = (priced("gspmd", 300, 13.0, 0.4, (3, 3)), priced("no_comm", 100, 12.0, 0.0, (0, 0)),
+            priced("fp32_accum+drain", 130, 14.4, 1.3, (4, 4)), priced("fp32_accum_streamed+drain", 105, 17.3, 3.7, (2, 8)))
+    verdict = compare.Comparison(rows, "h100", "1x1x8", 8).verdict()
+    assert "Use fp32_accum_streamed+drain" in verdict
+    assert ("fp32_accum+drain needs 25.0 MiB more (130.0 MiB) but XLA predicts 14.40 ms a step against 17.30 ms "
+            "(1.30 ms of communication exposed against 3.70 ms)") in verdict
+    slower = rows[:2] + (priced("fp32_accum+drain", 130, 18.0, 4.0, (4, 4)), rows[3])
+    assert "needs" not in compare.Comparison(slower, "h100", "1x1x8", 8).verdict()  # more overlap, not faster
+
+
 def test_comparison_table_json_and_plot_without_compiling(tmp_path):
     rows = (compare.Row("gspmd", _plan("gspmd", 30, (1, 2))), compare.Row("no_comm", _plan("no_comm", 10)),
             compare.Row("fp32_accum+drain", _plan("fp32_accum+drain", 12, (3, 3), 3, 500)),

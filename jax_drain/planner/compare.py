@@ -232,9 +232,20 @@ class Comparison:
             elif best.num_buckets is not None:
                 lines.append(f"{best_name} stays {mib(above(best))} above no_comm, about one bucket's scratch: more "
                              f"buckets should lower it (try --num-buckets {2 * best.num_buckets}).")
-        if best is not None and best.pairs:
-            rivals = [(n, p) for n, p in plans.items() if n != best_name and (s := _strategy(n)) is not None
-                      and s.max_in_flight is not None and p.pairs and p.overlapped / p.pairs > best.overlapped / best.pairs]
+        drained = lambda n: (s := _strategy(n)) is not None and s.max_in_flight is not None  # noqa: E731
+        if best is not None and best.predicted_step_s is not None:
+            # XLA's price of each step decides; a step it could not price is no rival.
+            rivals = [(n, p) for n, p in plans.items() if n != best_name and drained(n)
+                      and p.predicted_step_s is not None and p.predicted_step_s < best.predicted_step_s]
+            if rivals:
+                n, p = min(rivals, key=lambda kv: kv[1].temp_bytes)
+                lines.append(f"{n} needs {mib(p.temp_bytes - best.temp_bytes)} more ({mib(p.temp_bytes)}) but XLA "
+                             f"predicts {_ms(p.predicted_step_s)} a step against {_ms(best.predicted_step_s)} "
+                             f"({_ms(p.exposed_comm_s)} of communication exposed against "
+                             f"{_ms(best.exposed_comm_s)}): pick it if step time matters more than that memory.")
+        elif best is not None and best.pairs:
+            rivals = [(n, p) for n, p in plans.items() if n != best_name and drained(n)
+                      and p.pairs and p.overlapped / p.pairs > best.overlapped / best.pairs]
             if rivals:
                 n, p = min(rivals, key=lambda kv: kv[1].temp_bytes)
                 lines.append(f"{n} needs {mib(p.temp_bytes - best.temp_bytes)} more ({mib(p.temp_bytes)}) but "
