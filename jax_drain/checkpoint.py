@@ -114,8 +114,9 @@ class CheckpointBusyError(RuntimeError):
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint save failed while it was being written in the background (the step was not
-    saved; the earlier steps are intact). Its cause is orbax's error."""
+    """A checkpoint save failed while it was being started or written in the background (the
+    step was not saved; the earlier steps are intact). Its cause is the error that stopped it:
+    orbax's, or a collective's when a peer process stopped."""
 
 
 class CheckpointStepExistsError(FileExistsError, ValueError):
@@ -303,12 +304,15 @@ def save_checkpoint_async(
         _check_order(directory, step, existing, supersede_newer)
         keys = [leaf[0] for leaf in description["leaves"]]
         arrays = dict(zip(keys, jax.tree.leaves(state)))
-        checksums = _checksums(arrays)
-        meta = {**description, "step": step, "extra": extra, "checksums": checksums}
-        meta["digest"] = _digest(meta)
-        if supersede_newer:
-            _supersede(directory, [s for s in existing if s >= step])
-            _every_process_here("jax_drain superseded")
+        try:  # collectives over every process: a peer that stopped fails them
+            checksums = _checksums(arrays)
+            meta = {**description, "step": step, "extra": extra, "checksums": checksums}
+            meta["digest"] = _digest(meta)
+            if supersede_newer:
+                _supersede(directory, [s for s in existing if s >= step])
+                _every_process_here("jax_drain superseded")
+        except Exception as e:
+            raise _save_failed(directory, step, e) from e
         pending = PendingSave(_start_save(directory, step, arrays, meta, max_to_keep), directory / str(step), lock)
         _saves.started(pending)
     return pending
@@ -565,6 +569,8 @@ def _start_save(directory: pathlib.Path, step: int, arrays: dict[str, Any], meta
             manager.close()
         if isinstance(e, OSError) and e.errno is not None:
             raise _unwritable(directory, e) from e
+        if isinstance(e, Exception):  # orbax's, or a collective's: a save failure, whatever raised it
+            raise _save_failed(directory, step, e) from e
         raise
     if not started:  # orbax declines some saves silently (e.g. a step not after its latest)
         manager.close()
@@ -638,6 +644,15 @@ class _DirectoryLock:
             os.unlink(self.path)  # while still locked: a waiter holding the old file tries again
         os.close(self._fd)
         self._fd = None
+
+
+def _save_failed(directory: pathlib.Path, step: int, error: Exception) -> CheckpointSaveError:
+    """A save that failed before its step was written, saying what to do."""
+    return CheckpointSaveError(
+        f"saving step {step} into {directory} failed before it was written: {type(error).__name__}: {error}. Nothing "
+        "was written; the earlier steps are intact. In a multi-process run a peer that stopped (killed, out of "
+        "memory) ends a save this way: restart every process, and restore_checkpoint restores the newest complete "
+        "step")
 
 
 def _unwritable(directory: pathlib.Path, error: OSError) -> OSError:

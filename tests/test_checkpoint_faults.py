@@ -110,6 +110,25 @@ def test_a_step_saved_already_is_both_file_exists_and_value_error(copy):
     assert isinstance(info.value, FileExistsError) and isinstance(info.value, ValueError)
 
 
+def test_a_save_that_fails_as_it_starts_is_a_checkpoint_save_error(tmp_path, monkeypatch):
+    """What orbax (or a collective, when a peer stopped) raises while a save starts surfaces as
+    CheckpointSaveError, its cause kept; nothing is written and the earlier steps stay."""
+    import orbax.checkpoint as ocp
+
+    jd.save_checkpoint(tmp_path, _state(1), step=1)
+
+    def stopped(*args, **kwargs):
+        raise TimeoutError("async_write_complete barrier timed out")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", stopped)
+    with pytest.raises(jd.CheckpointSaveError, match=r"(?s)saving step 2 into .* failed before it was written: "
+                                                     r"TimeoutError: async_write_complete.*restart every process") as info:
+        jd.save_checkpoint(tmp_path, _state(2), step=2)
+    assert isinstance(info.value.__cause__, TimeoutError)
+    monkeypatch.undo()
+    assert latest_step(tmp_path) == 1 and _restored_value(tmp_path) == 1
+
+
 def test_the_resume_loop_goes_on_past_a_damaged_newest_step(copy, caplog):
     """The quick start's loop (restore the newest, train, save every 2 steps) over a byte flipped
     in step 4: the restore falls back to step 2, moves step 4 to damaged/ and says so through a
