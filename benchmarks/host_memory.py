@@ -5,8 +5,10 @@ Launches 2 local processes x 4 CPU devices (``jax.distributed``, gloo) running
 parameters, Adam) spanning both processes is saved, restored onto the same layout, and restored
 onto another bucket size (re-laid one parameter at a time). Each process reports the
 host memory each call used at its peak beyond what it held before (``VmHWM`` after, ``VmRSS``
-before, the high-water mark reset, freed heap returned to the OS first; a warm-up save and
-restore first), in MiB and in units of the bytes of the state's shards it holds. On CPU devices
+before, the high-water mark reset, freed heap returned to the OS first), in MiB and in units of
+the bytes of the state's shards it holds. The process's first save is measured on its own, with
+what it still holds after it (orbax's and tensorstore's pools start with it and stay); the other
+figures follow a warm-up restore. On CPU devices
 a restored state's own arrays are host memory, so a restore costs at least 1.0x.
 
     python benchmarks/host_memory.py --out benchmarks/results     # host_memory.{md,json}
@@ -24,7 +26,8 @@ import numpy as np
 
 from jax_drain.testing import multiprocess
 
-CASES = (("save", "save_checkpoint"), ("restore", "restore, same layout"),
+CASES = (("first_save", "first save_checkpoint"), ("first_save_retained", "held after it"),
+         ("save", "save_checkpoint"), ("restore", "restore, same layout"),
          ("relayout", "restore onto another bucket size"))
 
 

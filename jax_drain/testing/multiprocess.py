@@ -279,8 +279,10 @@ def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int
     state, _ = step(step.init(), batch)
     out = {"mem/held": np.array(sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards))}
     target, other = step.abstract_state(), moved.abstract_state()
-    # Once before measuring: the first save and restore also start orbax's and tensorstore's pools.
-    jd.save_checkpoint(Path(directory) / "warm_up", state)
+    # The process's first save also starts orbax's and tensorstore's pools, which stay: measured
+    # on its own (with what it leaves held), then a warm-up restore before the steady figures.
+    out["mem/first_save"], out["mem/first_save_retained"] = map(
+        np.array, _extra_peak(lambda: jd.save_checkpoint(Path(directory) / "warm_up", state), retained=True))
     jd.restore_checkpoint(Path(directory) / "warm_up", target)
     where = Path(directory) / "host_memory"
     out["mem/save"] = np.array(_extra_peak(lambda: jd.save_checkpoint(where, state)))
@@ -289,8 +291,9 @@ def run_host_memory(devices: Sequence[Any], directory: str | os.PathLike, d: int
     return out
 
 
-def _extra_peak(call: Any) -> int:
-    """Bytes of host memory ``call()`` used at its peak beyond what the process held before."""
+def _extra_peak(call: Any, *, retained: bool = False) -> int | tuple[int, int]:
+    """Bytes of host memory ``call()`` used at its peak beyond what the process held before
+    (with ``retained``, also the bytes it still holds after, its result dropped)."""
     import ctypes
     import gc
 
@@ -303,7 +306,10 @@ def _extra_peak(call: Any) -> int:
     peak = _proc_status("VmHWM")
     del result
     gc.collect()
-    return max(0, peak - before)
+    if not retained:
+        return max(0, peak - before)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return max(0, peak - before), _proc_status("VmRSS") - before
 
 
 def _proc_status(field: str) -> int:
