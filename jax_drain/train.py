@@ -1070,17 +1070,19 @@ class TrainStep:
         """Refuses params of another structure or shape than this step's model: the loss would
         fail deep inside with a shape error that names no parameter."""
         want = self._abstract_params
-        if jax.tree.structure(params) != jax.tree.structure(want):
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != jax.tree.structure(want):
             raise ValueError(
-                f"state.params has {len(jax.tree.leaves(params))} leaves in another structure than this step's "
-                f"model ({len(jax.tree.leaves(want))} leaves): use this step's init(), or restore into "
+                f"state.params has {len(leaves)} leaves in another structure than this step's model "
+                f"({len(jax.tree.leaves(want))} leaves): use this step's init(), or restore into step.abstract_state()")
+        shapes = [np.shape(x) for x in leaves]
+        expected = [tuple(x.shape) for x in jax.tree.leaves(want)]
+        if shapes != expected:  # the paths only for the error: this runs before every step
+            path, got, shape = next((p, g, e) for p, g, e in zip(leaf_paths(want), shapes, expected) if g != e)
+            raise ValueError(
+                f"state.params leaf {path!r} has shape {got}, but this step's model has {shape}: the state "
+                "belongs to another model (or was edited). Use this step's init(), or restore a checkpoint into "
                 "step.abstract_state()")
-        for path, got, expected in zip(leaf_paths(want), jax.tree.leaves(params), jax.tree.leaves(want)):
-            if np.shape(got) != tuple(expected.shape):
-                raise ValueError(
-                    f"state.params leaf {path!r} has shape {np.shape(got)}, but this step's model has "
-                    f"{tuple(expected.shape)}: the state belongs to another model (or was edited). Use this "
-                    "step's init(), or restore a checkpoint into step.abstract_state()")
 
     def _check_tx_state(self, inner: PyTree) -> None:
         """Refuses a tx state made by another optimizer (another ``tx``): its structure or shapes
@@ -1158,8 +1160,7 @@ def global_batch_shape(rows: PyTree) -> PyTree:
         raise ValueError("global_batch_shape: rows must be a pytree of arrays with a leading (example) dimension, got "
                          f"{jax.tree.map(np.shape, rows)}")
     processes = jax.process_count()
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]),
-                                                       np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype),
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), np.result_type(x)),
                         rows)
 
 
