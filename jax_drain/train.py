@@ -1160,8 +1160,8 @@ def global_batch_shape(rows: PyTree) -> PyTree:
         raise ValueError("global_batch_shape: rows must be a pytree of arrays with a leading (example) dimension, got "
                          f"{jax.tree.map(np.shape, rows)}")
     processes = jax.process_count()
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), np.result_type(x)),
-                        rows)
+    dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # noqa: E731 - arrays, or lists of rows
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), dtype(x)), rows)
 
 
 def make_train_step(
