@@ -1156,12 +1156,11 @@ def global_batch_shape(rows: PyTree) -> PyTree:
         state, metrics = step(step.init(), step.local_batch(rows))
     """
     leaves = jax.tree.leaves(rows)
-    if not leaves or any(np.ndim(x) == 0 for x in leaves):
+    if not leaves or any(np.ndim(x) == 0 or not hasattr(x, "dtype") for x in leaves):
         raise ValueError("global_batch_shape: rows must be a pytree of arrays with a leading (example) dimension, got "
                          f"{jax.tree.map(np.shape, rows)}")
     processes = jax.process_count()
-    dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # noqa: E731 - arrays, or lists of rows
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), dtype(x)), rows)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), x.dtype), rows)
 
 
 def make_train_step(
