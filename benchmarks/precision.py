@@ -51,7 +51,8 @@ from jax_drain import models, plan  # noqa: E402
 from jax_drain.collectives import QUANTIZED_MODES, REDUCE_MODES  # noqa: E402
 from jax_drain.planner.schedule import Collective  # noqa: E402
 
-MODES = ("bf16", "fp32", "fp32_accum", "fp32_accum_streamed", "int8_accum", "fp8_accum", "int8_accum_streamed")
+MODES = ("bf16", "fp32", "fp32_accum", "fp32_accum_streamed", "int8_accum", "fp8_accum", "fp16_accum",
+         "int8_accum_streamed")
 #: (param dtype, wire dtype): a bf16 wire for bf16 params is the default already, so it is
 #: only crossed with float32 params.
 CASES = (("bfloat16", None), ("float32", None), ("float32", "bfloat16"))
@@ -298,7 +299,7 @@ def header(setup: Setup, rows: list[dict[str, Any]]) -> str:
         "preset's bf16. `wire_dtype=bfloat16` casts each float32 bucket to bf16 before the mode's collective "
         "(the quantized modes then quantize the bf16 values). The `bf16` mode reduce-scatters in the gradients' "
         "own dtype, float32 for a float32 model; the quantized modes send payload and float32 block scales "
-        "packed in one int8 array (fp8 payloads as their bytes), hence `s8`.\n\n"
+        "packed in one int8 array (fp8 and fp16 payloads as their bytes), hence `s8`.\n\n"
         "* sent MiB: bytes one device sends per step in the sync's collectives (`jax_drain/` scopes, "
         "`jax_drain/gather` excluded), from the schedule's result bytes (payload MiB) by ring/pairwise "
         "algorithm: reduce-scatter (g-1)x result, all-to-all (g-1)/g x, collective-permute 1x.\n"
@@ -343,7 +344,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     row = {(r["param_dtype"], r["wire_dtype"], r["reduce"]): r for r in rows}
     lines = []
     ref = row.get(("bfloat16", None, REFERENCE_MODE))
-    for mode in ("int8_accum", "fp8_accum", "int8_accum_streamed"):
+    for mode in ("int8_accum", "fp8_accum", "fp16_accum", "int8_accum_streamed"):
         r = row.get(("bfloat16", None, mode))
         if r and ref:
             lines.append(f"bf16 params: {mode} sends {r['wire_bytes'] / ref['wire_bytes']:.3f}x fp32_accum's bytes "
