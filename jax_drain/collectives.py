@@ -24,7 +24,7 @@ Modes (``REDUCE_MODES``):
   Wire bytes: 1 per element plus 4 per block (0.51x ``"fp32_accum"``'s bf16 at
   ``block_size=256``).
 * ``"fp16_accum"`` -- the same with a float16 payload: 2 bytes per element plus 4 per block
-  (1.02x ``"fp32_accum"``'s bf16 at ``block_size=256``), scaled so each block's absmax maps to
+  (1.01x ``"fp32_accum"``'s bf16 at ``block_size=256``), scaled so each block's absmax maps to
   float16's largest finite value (65504). Three more significand bits than a bf16 wire at the
   same bytes, and none of an unscaled float16 wire's failures: nothing overflows and small
   gradients stay in float16's normal range relative to their block. This is the float16 wire:
