@@ -764,10 +764,8 @@ class ChainedSync:
             return jax.lax.psum(total, axes), shards
         global_count = jax.lax.psum(count, axes)
         scale = self.data_size / global_count
-        # The totals enter the sum pre-divided, like a mean's: a finite per-count mean stays finite.
-        p = mean_predivisor(self.data_size)
-        wide = total.astype(jnp.promote_types(total.dtype, jnp.float32))
-        loss = (jax.lax.psum(wide / p, axes) / (global_count / p)).astype(total.dtype)
+        # The mean total over the mean count: a finite per-count mean stays finite (pmean pre-divides).
+        loss = pmean(total, axes) / (global_count / self.data_size).astype(total.dtype)
         return loss, self.pack_shards([s * scale for s in self.flat_shards(shards)])
 
     def init_master(self, params: PyTree) -> Any:
