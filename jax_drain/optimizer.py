@@ -255,13 +255,9 @@ def _check_static_mask(mask: Mask) -> None:
 
 def _leaf_mask(mask: Mask, params: PyTree) -> list[bool]:
     tree = mask(params) if callable(mask) else mask
+    _check_static_mask(tree)
     entries = broadcast_prefix(tree, params, "the mask", lambda x: isinstance(x, (bool, np.bool_)) or x is None)
-    out = []
-    for path, m in zip(leaf_paths(params), entries):
-        if isinstance(m, jax.core.Tracer) or not np.ndim(m) == 0:
-            raise TypeError(f"mask entry for {path!r} must be a Python bool (masks are static), got {m!r}")
-        out.append(bool(m))
-    return out
+    return [bool(m) for m in entries]
 
 
 # -- flat-aware optax transforms --------------------------------------------------------------
