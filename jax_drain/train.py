@@ -439,6 +439,9 @@ class TrainStep:
         self._model_params = _abstract(params)  # the model's own dtypes: the master shards' source
         _check_floating(self._model_params)
         self._abstract_params = _working(self._model_params, config.param_dtype)
+        # What state.params must be (structure, leaf shapes), checked before every step.
+        self._params_signature = (jax.tree.structure(self._abstract_params),
+                                  [tuple(x.shape) for x in jax.tree.leaves(self._abstract_params)])
         check_mesh_axes(mesh, config.data_axes, "TrainConfig axis / outer_axis")
         if config.param_specs is not None:  # before any array is placed by them: the rules, by parameter
             place_leaves(self._abstract_params, mesh, as_axes(config.axis, "axis"),
@@ -1069,16 +1072,16 @@ class TrainStep:
     def _check_state_params(self, params: PyTree) -> None:
         """Refuses params of another structure or shape than this step's model: the loss would
         fail deep inside with a shape error that names no parameter."""
-        want = self._abstract_params
+        want_def, expected = self._params_signature
         leaves, treedef = jax.tree.flatten(params)
-        if treedef != jax.tree.structure(want):
+        if treedef != want_def:
             raise ValueError(
                 f"state.params has {len(leaves)} leaves in another structure than this step's model "
-                f"({len(jax.tree.leaves(want))} leaves): use this step's init(), or restore into step.abstract_state()")
+                f"({len(expected)} leaves): use this step's init(), or restore into step.abstract_state()")
         shapes = [np.shape(x) for x in leaves]
-        expected = [tuple(x.shape) for x in jax.tree.leaves(want)]
         if shapes != expected:  # the paths only for the error: this runs before every step
-            path, got, shape = next((p, g, e) for p, g, e in zip(leaf_paths(want), shapes, expected) if g != e)
+            path, got, shape = next((p, g, e) for p, g, e in zip(leaf_paths(self._abstract_params), shapes, expected)
+                                    if g != e)
             raise ValueError(
                 f"state.params leaf {path!r} has shape {got}, but this step's model has {shape}: the state "
                 "belongs to another model (or was edited). Use this step's init(), or restore a checkpoint into "
