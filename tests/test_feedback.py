@@ -14,14 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 import jax_drain as jd
 from jax_drain import _compat, models
-from jax_drain.collectives import reduce_scatter_bucket, wire_values
+from jax_drain.collectives import QUANTIZED_MODES, reduce_scatter_bucket, wire_values
 from jax_drain.feedback import abstract_error_feedback, error_feedback_specs, init_error_feedback
 
 SDS = jax.ShapeDtypeStruct
 # Leaves of very different scales sharing buckets.
 TREE = {"w": SDS((37, 29), jnp.float32), "norm": SDS((29,), jnp.float32), "head": SDS((29, 13), jnp.float32)}
 SCALE = {"w": 1.0, "norm": 1e-3, "head": 30.0}
-QUANTIZED = ["int8_accum", "fp8_accum", "int8_accum_streamed"]
 
 
 def _grads(seed=0):
@@ -58,7 +57,7 @@ def _largest_local_gradients(case, params, batch, sends: int = 1):
     return jax.tree.map(lambda g: float(np.max(np.abs(np.asarray(g, np.float64)))) * (1 + 1 / 127), local)
 
 
-@pytest.mark.parametrize("mode", ["int8_accum", "fp8_accum"])
+@pytest.mark.parametrize("mode", ["int8_accum", "fp8_accum", "fp16_accum"])
 def test_wire_values_are_what_the_receivers_sum(mode):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 8 * 300)).astype(np.float32)
@@ -72,11 +71,11 @@ def test_wire_values_are_what_the_receivers_sum(mode):
     # A float32 sum of the 8 devices' wire values, in another order.
     assert_within_rounding(shard, sent.sum(axis=0), additions=8, scale=np.abs(sent).sum(axis=0), what=mode)
     assert 0 < np.abs(sent - x).max()  # the wire does round ...
-    # ... each leaf on its own scale: within fp8's 1/16 (int8's 1/254) of the small leaf's absmax.
+    # ... each leaf on its own scale: within fp8's 1/16 (int8's 1/254, fp16's 2**-11) of the small leaf's absmax.
     assert np.abs(sent[:, :300] - x[:, :300]).max() < np.abs(x[:, :300]).max() / 16
 
 
-@pytest.mark.parametrize("mode", QUANTIZED)
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
 def test_feedback_keeps_the_summed_error_to_one_step(mode):
     """The same gradients sent ``T`` times: without feedback the same rounding error is added
     ``T`` times; with it the sum of what arrived is off by one step's rounding at most."""
