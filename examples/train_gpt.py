@@ -1,4 +1,4 @@
-"""Train a small character-level GPT with jax_drain: the README's main job.
+"""Train a small character-level GPT with jax_drain: the main job of the README and docs/examples.md.
 
 Data parallel over 8 virtual CPU devices by default (set up here, before jax starts): bucketed,
 drained, fp32-accumulated gradient reduce-scatter, a sharded AdamW (``DistributedOptimizer``)

@@ -67,8 +67,8 @@ def test_train_gpt_resume(train_gpt, drained, tmp_path):
 
 
 def test_train_gpt_float32_model_under_a_precision_policy_with_int8_feedback(train_gpt, tmp_path):
-    """The README's precision example: a float32 model with bf16 working params, an int8 wire
-    with error feedback, next to the same policy with fp32_accum.
+    """The wire-precision guide's run (docs/howto/wire_precision.md): a float32 model with bf16
+    working params, an int8 wire with error feedback, next to the same policy with fp32_accum.
 
     The losses may differ by what the wire and rounding change, carried to first order along a
     one-device reference run (:func:`_reference`). The schedule starts at 0, so the first step
@@ -116,7 +116,8 @@ def test_train_linen():
 
 
 def test_flax_state_trains_nnx_and_linen_side_by_side(capsys):
-    """The README's nnx and linen paths: both train, their statistics evaluate to finite logits."""
+    """docs/howto/your_model.md's nnx and linen paths: both train, their statistics evaluate to
+    finite logits."""
     losses = _load("flax_state").main(["--steps", "6"])
     assert all(len(curve) == 6 and np.all(np.isfinite(curve)) for curve in losses.values())
     assert "eval logits finite: nnx True, linen True" in capsys.readouterr().out
@@ -215,7 +216,8 @@ def _reference(train_gpt, argv: list[str]):
 
 
 def test_quickstart_runs_and_its_shards_are_the_mean_gradient(capsys):
-    """examples/quickstart.py is the README's example: it must run and be right."""
+    """examples/quickstart.py is docs/howto/your_model.md's "only the gradient sync": it must run
+    and be right."""
     import jax
 
     quickstart = _load("quickstart")
@@ -232,7 +234,7 @@ def test_quickstart_runs_and_its_shards_are_the_mean_gradient(capsys):
 
 
 def test_tensor_parallel_example_trains_like_optax_on_one_device():
-    """examples/tensor_parallel.py is the README's tensor-parallel step: it trains, and its
+    """examples/tensor_parallel.py is docs/howto/tensor_parallel.md's step: it trains, and its
     params equal plain optax (clip + adamw with the same mask) on one device, whole batches."""
     import jax
     import optax

@@ -1,16 +1,21 @@
-"""README.md's code runs as pasted, or names only what exists; and the README's promises about a
-machine without a GPU hold (quiet output, the planner without environment variables).
+"""The code on every page (README.md and the documentation site's ``docs/**/*.md``) runs as
+pasted, or names only what exists; every link between the pages leads somewhere; and the
+README's promises about a machine without a GPU hold (quiet output, the planner without
+environment variables).
 
 * A ``python`` block runs in a subprocess (8 virtual CPU devices, ``JAX_PLATFORMS=cpu``, a fresh
   working directory) and must exit 0 with nothing on stderr but the planner's progress lines.
   A block whose first line is ``# continues the quick start`` runs after the quick start in the
-  same program (one subprocess: the quick start, then each such block in README order). A block
+  same program (one subprocess: the quick start, then each such block, README.md's first, then
+  the pages' in path order). A block
   whose first line is ``# excerpt of PATH`` does not run: each of its code lines must be one of
   PATH's (comments and whitespace aside; a ``...`` line marks what is left out).
 * A ``bash`` block is checked, not run (its commands train or compile for minutes): each file it
   names exists, each ``--flag`` is one its command accepts, each ``FILE.py:NAME`` names a function
   in that file, each pip extra is in pyproject.toml. A command this test does not know fails it.
-* Every ``examples/*.py`` is listed in the README's Examples section.
+* Every ``examples/*.py`` is on the examples page, with its command.
+* A relative link leads to a file that exists and, with ``#anchor``, to a heading of that page;
+  the README's table sends each common need to its page.
 """
 
 from __future__ import annotations
@@ -32,21 +37,26 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: README.md first (it holds the quick start), then the site's pages in path order.
+PAGES = [README] + sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)
+README_MAX_LINES = 200  # a few screens: the rest lives on the site's pages
 CONTINUES = "# continues the quick start"
 EXCERPT = re.compile(r"#\s*excerpt of (\S+)\s*$")
 NOISE = re.compile(r"Traceback|warning|cuda|absl", re.IGNORECASE)
 TIMEOUT_S = 600  # a generous bound for a loaded 2-core machine; the blocks take seconds each
 
 
-# -- reading the README ------------------------------------------------------------------------
+# -- reading the pages -------------------------------------------------------------------------
 
 
-def code_blocks(text: str) -> list[tuple[int, str, str]]:
+def code_blocks(text: str, name: str = "README.md") -> list[tuple[int, str, str]]:
     """``(line, language, code)`` of every fenced block (its opening fence's 1-based line; the
-    code dedented by the fence's indentation, as in a list item)."""
+    code dedented by the fence's indentation, as in a list item). A MyST directive
+    (```` ```{include} ../README.md ````) is a block whose language is ``{include}``."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
-        m = re.fullmatch(r"( *)```(\w*)\s*", lines[i])
+        m = re.fullmatch(r"( *)```(\{[\w-]+\}|\w*)(?:\s.*)?", lines[i])
         if not m:
             i += 1
             continue
@@ -56,7 +66,7 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
         while i < len(lines) and not re.fullmatch(rf"{indent}```\s*", lines[i]):
             body.append(lines[i])
             i += 1
-        assert i < len(lines), f"README.md:{start + 1}: the code block is never closed"
+        assert i < len(lines), f"{name}:{start + 1}: the code block is never closed"
         blocks.append((start + 1, language, textwrap.dedent("\n".join(body)) + "\n"))
         i += 1
     return blocks
@@ -72,25 +82,32 @@ def first_line(code: str) -> str:
     return next((line.strip() for line in code.splitlines() if line.strip()), "")
 
 
+def _where(page: pathlib.Path, line: int) -> str:
+    return f"{page.relative_to(ROOT)}:{line}"
+
+
 TEXT = README.read_text()
-BLOCKS = code_blocks(TEXT)
-PYTHON = [(line, code) for line, language, code in BLOCKS if language == "python"]
-BASH = [(line, code) for line, language, code in BLOCKS if language == "bash"]
+#: ``(where, language, code)`` of every block of every page, ``where`` as ``docs/howto/zero3.md:12``.
+BLOCKS = [(_where(page, line), language, code) for page in PAGES
+          for line, language, code in code_blocks(page.read_text(), str(page.relative_to(ROOT)))]
+PYTHON = [(where, code) for where, language, code in BLOCKS if language == "python"]
+BASH = [(where, code) for where, language, code in BLOCKS if language == "bash"]
 _HEADING = TEXT[: TEXT.index("\n## Quick start\n")].count("\n") + 2  # the heading's line
-QUICK_START_LINE = min(line for line, _ in PYTHON if line > _HEADING)
+QUICK_START = _where(README, min(line for line, language, _ in code_blocks(TEXT)
+                                 if language == "python" and line > _HEADING))
 
 
 def runnable_units() -> list:
     """One pytest param per program: the quick start with the blocks continuing it, then every
     other block that is neither an excerpt nor a continuation."""
-    quick = [(line, code) for line, code in PYTHON if line == QUICK_START_LINE]
+    quick = [(where, code) for where, code in PYTHON if where == QUICK_START]
     assert quick, "the Quick start section must hold a python block"
-    chain = quick + [(line, code) for line, code in PYTHON if first_line(code).startswith(CONTINUES)]
+    chain = quick + [(where, code) for where, code in PYTHON if first_line(code).startswith(CONTINUES)]
     units = [("quick_start", chain)]
-    for line, code in PYTHON:
-        if line == QUICK_START_LINE or first_line(code).startswith(CONTINUES) or EXCERPT.fullmatch(first_line(code)):
+    for where, code in PYTHON:
+        if where == QUICK_START or first_line(code).startswith(CONTINUES) or EXCERPT.fullmatch(first_line(code)):
             continue
-        units.append((f"line_{line}", [(line, code)]))
+        units.append((where, [(where, code)]))
     params = []
     for name, blocks in units:
         needs_plugin = any("jd.plan." in code or "jax_drain.plan" in code for _, code in blocks)
@@ -101,10 +118,10 @@ def runnable_units() -> list:
 # -- python blocks -----------------------------------------------------------------------------
 
 
-def _program(blocks: list[tuple[int, str]]) -> str:
+def _program(blocks: list[tuple[str, str]]) -> str:
     parts = []
-    for line, code in blocks:
-        parts.append(f"print('### README.md:{line}', flush=True)\n{code}")
+    for where, code in blocks:
+        parts.append(f"print('### {where}', flush=True)\n{code}")
     return "\n".join(parts)
 
 
@@ -114,13 +131,13 @@ def test_python_blocks_run_as_pasted(blocks, tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "readme_block.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
-    started = re.findall(r"### (README\.md:\d+)", done.stdout)
-    where = started[-1] if started else f"README.md:{blocks[0][0]}"
+    started = re.findall(r"^### (\S+:\d+)$", done.stdout, re.M)
+    where = started[-1] if started else blocks[0][0]
     assert done.returncode == 0, f"the block at {where} failed:\n{done.stderr[-4000:]}"
     noise = [line for line in done.stderr.splitlines() if NOISE.search(line)]
     assert not noise, f"the blocks from {where} wrote to stderr:\n" + "\n".join(noise[:20])
     assert len(started) == len(blocks)
-    if blocks[0][0] == QUICK_START_LINE:
+    if blocks[0][0] == QUICK_START:
         # What the quick start says it does: the loss falls, the checkpoints are where it says
         # (the continuing blocks restore the last one onto another mesh).
         losses = [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", done.stdout, re.M)]
@@ -143,25 +160,25 @@ def _code_lines(code: str) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("line,code", [(line, code) for line, code in PYTHON if EXCERPT.fullmatch(first_line(code))],
-                         ids=lambda v: f"line_{v}" if isinstance(v, int) else "")
-def test_excerpts_are_the_named_files_code(line, code):
+@pytest.mark.parametrize("where,code", [(w, code) for w, code in PYTHON if EXCERPT.fullmatch(first_line(code))],
+                         ids=lambda v: v if ":" in v else "")
+def test_excerpts_are_the_named_files_code(where, code):
     path = ROOT / EXCERPT.fullmatch(first_line(code)).group(1)
-    assert path.is_file(), f"README.md:{line}: the excerpt names {path.relative_to(ROOT)}, which does not exist"
+    assert path.is_file(), f"{where}: the excerpt names {path.relative_to(ROOT)}, which does not exist"
     source = set(_code_lines(path.read_text()))
     missing = [c for c in _code_lines(code) if c != "..." and c not in source]
-    assert not missing, f"README.md:{line}: not in {path.relative_to(ROOT)}: {missing}"
+    assert not missing, f"{where}: not in {path.relative_to(ROOT)}: {missing}"
 
 
 def test_every_python_block_runs_or_is_marked():
     """A block is the quick start, continues it, is an excerpt, or runs on its own: the last
     kind must not use names it does not define (the README once shared `P`, `params`, ...)."""
-    for line, code in PYTHON:
+    for where, code in PYTHON:
         head = first_line(code)
-        if line == QUICK_START_LINE or head.startswith(CONTINUES) or EXCERPT.fullmatch(head):
+        if where == QUICK_START or head.startswith(CONTINUES) or EXCERPT.fullmatch(head):
             continue
-        assert re.search(r"^import |^from ", code, re.M), f"README.md:{line}: a block that runs alone imports"
-        compile(code, f"README.md:{line}", "exec")
+        assert re.search(r"^import |^from ", code, re.M), f"{where}: a block that runs alone imports"
+        compile(code, where, "exec")
 
 
 # -- bash blocks -------------------------------------------------------------------------------
@@ -241,18 +258,64 @@ def _check(text: str, tokens: list[str]) -> None:
         pytest.fail(f"`{text}`: tests/test_readme.py does not know how to check {program!r}; teach it")
 
 
-@pytest.mark.parametrize("line,code", BASH, ids=lambda v: f"line_{v}" if isinstance(v, int) else "")
-def test_bash_blocks_name_what_exists(line, code):
+@pytest.mark.parametrize("where,code", BASH, ids=lambda v: v if ":" in v else "")
+def test_bash_blocks_name_what_exists(where, code):
     commands = _commands(code)
-    assert commands, f"README.md:{line}: an empty bash block"
+    assert commands, f"{where}: an empty bash block"
     for text, tokens in commands:
         _check(text, tokens)
 
 
-def test_every_example_is_listed():
-    listed = section(TEXT, "Examples")
+def test_every_example_is_on_the_examples_page_with_its_command():
+    page = (DOCS / "examples.md").read_text()
+    commands = "\n".join(code for _, language, code in code_blocks(page, "docs/examples.md") if language == "bash")
     for path in sorted((ROOT / "examples").glob("*.py")):
-        assert f"`examples/{path.name}`" in listed, f"examples/{path.name} is not in the README's Examples list"
+        assert f"`examples/{path.name}`" in page, f"examples/{path.name} is not on docs/examples.md"
+        assert f"examples/{path.name}" in commands, f"docs/examples.md has no command that runs examples/{path.name}"
+
+
+# -- links between the pages -------------------------------------------------------------------
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """The anchor of a Markdown heading, as GitHub and MyST (``myst_heading_anchors``) make it."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # no headings inside code
+    return {_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_leads_to_a_page_and_heading(page):
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto: ...
+        path, _, anchor = target.partition("#")
+        goal = (page.parent / path).resolve() if path else page
+        where = f"{page.relative_to(ROOT)}: ({target})"
+        assert goal.exists(), f"{where}: no such file"
+        if anchor and goal.suffix == ".md":
+            assert anchor in _anchors(goal), f"{where}: {goal.relative_to(ROOT)} has no heading #{anchor}"
+
+
+def test_the_readme_is_short_and_sends_each_need_to_its_page():
+    """A newcomer finds, from the README's table alone, the page for each common need."""
+    lines = TEXT.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+    rows = [line for line in section(TEXT, "Where to go").splitlines() if line.startswith("| ") and "](" in line]
+    needs = {"ZeRO-3": "docs/howto/zero3.md", "pjit": "docs/howto/tensor_parallel.md",
+             "Muon": "docs/howto/whole_parameters.md", "several hosts": "docs/howto/several_hosts.md",
+             "before I rent": "docs/howto/plan.md", "checkpoints": "docs/howto/checkpoints.md"}
+    for need, target in needs.items():
+        row = next((r for r in rows if need in r), None)
+        assert row, f"README.md's 'Where to go' table has no row for {need!r}"
+        assert f"]({target}" in row, f"README.md's row for {need!r} does not link {target}: {row}"
 
 
 # -- quiet without a GPU -----------------------------------------------------------------------
