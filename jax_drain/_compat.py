@@ -9,7 +9,9 @@ instead of checking versions itself.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Hashable, Iterator
+import contextvars
+import functools
+from typing import Any, Callable, Hashable, Iterator
 
 import jax
 
@@ -27,10 +29,10 @@ class MissingJaxInternal(RuntimeError):
     """
 
 
-def _missing(what: str) -> MissingJaxInternal:
+def _missing(what: str, needed_for: str = "check that gradients are per-device") -> MissingJaxInternal:
     return MissingJaxInternal(
-        f"jax {jax.__version__} has no {what}, which jax_drain needs to check that gradients are "
-        "per-device; install a jax version jax_drain supports (see its pyproject.toml)"
+        f"jax {jax.__version__} has no {what}, which jax_drain needs to {needed_for}; install a jax "
+        "version jax_drain supports (see its pyproject.toml)"
     )
 
 
@@ -114,3 +116,48 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+#: ``rewrite(sharding, context_mesh) -> sharding`` for the ``with_sharding_constraint`` calls
+#: traced inside :func:`rewritten_constraints`; ``None`` everywhere else.
+_constraint_rewrite: contextvars.ContextVar[Callable[[Any, Any], Any] | None] = contextvars.ContextVar(
+    "jax_drain_constraint_rewrite", default=None)
+
+
+@contextlib.contextmanager
+def rewritten_constraints(rewrite: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Passes the sharding of every ``jax.lax.with_sharding_constraint`` traced in this context
+    through ``rewrite(sharding, context_mesh)``, where ``sharding`` is the constraint's own,
+    already made a ``Sharding`` (a bare ``PartitionSpec`` on the context mesh), and
+    ``context_mesh`` the mesh the constraint is traced under.
+
+    A model's constraints name mesh axes that the step has made manual; jax refuses those inside
+    ``shard_map``, and its public API gives no other place to see the sharding before the check.
+    Outside this context, and in other threads, constraints are untouched.
+    """
+    _install_constraint_hook()
+    token = _constraint_rewrite.set(rewrite)
+    try:
+        yield
+    finally:
+        _constraint_rewrite.reset(token)
+
+
+@functools.cache
+def _install_constraint_hook() -> None:
+    from jax._src import pjit  # private: where with_sharding_constraint turns specs into shardings
+
+    original = getattr(pjit, "_create_sharding_for_array", None)
+    if original is None:
+        raise _missing("jax._src.pjit._create_sharding_for_array",
+                       "apply a model's activation constraints inside the step")
+
+    @functools.wraps(original)
+    def create_sharding(mesh: Any, x: Any, name: str, api_name: str) -> Any:
+        sharding = original(mesh, x, name, api_name)
+        rewrite = _constraint_rewrite.get()
+        if rewrite is None or api_name != "with_sharding_constraint":
+            return sharding
+        return rewrite(sharding, mesh)
+
+    pjit._create_sharding_for_array = create_sharding

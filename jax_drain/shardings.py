@@ -18,6 +18,10 @@ too). A declared sharding over an axis the mesh lacks, or over a data-parallel a
 are replicated over those; ZeRO-3 is ``TrainConfig(shard_params=True)``), is refused before
 anything is traced, naming every parameter's path.
 
+Inside the step, the model's own activation constraints keep their meaning on the axes left to
+XLA: :func:`without_manual_axes` drops the axes the step has made manual (the data axes) from
+each constraint, and refuses one whose intent those axes carry.
+
 Example::
 
     specs = declared_specs(model, mesh, data_axes=("data",))          # an nnx model
@@ -40,7 +44,7 @@ from jax_drain.layout import leaf_paths
 PyTree = Any
 Rules = Sequence[tuple[str, Any]] | None
 
-__all__ = ["declared_specs", "has_boxes", "shards_any", "unboxed"]
+__all__ = ["declared_specs", "has_boxes", "shards_any", "unboxed", "without_manual_axes"]
 
 
 def _is_box(x: Any) -> bool:
@@ -139,7 +143,7 @@ class _Declared:
         source = "logical partitioning" if self.logical else "sharding metadata"
         names = tuple(self.names)
         axes = set(mesh.axis_names)
-        logical = self.logical or any(_entry_names(n) - axes for n in names)
+        logical = self.logical or any(set(_entry_names(n)) - axes for n in names)
         if not logical:
             return _strip(PartitionSpec(*names)), source
         mapping = rules if rules is not None else self.box_rules
@@ -151,8 +155,11 @@ class _Declared:
         return _strip(nn.logical_to_mesh_axes(names, mapping)), source
 
 
-def _entry_names(entry: Any) -> set:
-    return set() if entry is None else ({entry} if isinstance(entry, str) else set(entry))
+def _entry_names(entry: Any) -> tuple:
+    """The mesh axis names of one ``PartitionSpec`` entry, in order."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _strip(spec: PartitionSpec) -> PartitionSpec:
@@ -180,3 +187,51 @@ def _from_box(x: Any) -> _Declared:
     if _is_box(x):
         return _Declared(linen_meta.unbox(x), None, None)
     return _Declared(x, None, None)
+
+
+def without_manual_axes(sharding: Any, context_mesh: Any, *, data_axes: Sequence[str]) -> Any:
+    """A model's activation constraint as it applies inside the step: the axes that are manual
+    in ``context_mesh`` dropped from its spec, on the step's mesh.
+
+    The step splits the batch over the data axes itself (they are manual there), so a
+    constraint's data axes on the leading (batch) dimension are already in force; the model
+    axes of the constraint stay, for XLA to keep. A data axis on another dimension asks for a
+    layout the step cannot give (the batch replicated, something else split over the data), and
+    is refused. Manual model axes (``tensor_parallel="manual"``) are dropped: the loss already
+    holds their local blocks. ``sharding`` is returned unchanged where nothing is manual, where
+    it is not a ``NamedSharding``, or where its axes are not the context mesh's.
+
+    Example::
+
+        # under the step's shard_map, "data" manual and "model" left to XLA:
+        without_manual_axes(NamedSharding(mesh, P("data", None, "model")), context_mesh,
+                            data_axes=("data",))   # -> NamedSharding(context_mesh, P(None, None, "model"))
+    """
+    manual = set(getattr(context_mesh, "manual_axes", ()))
+    if not manual or not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = sharding.spec
+    named = {a for entry in spec for a in _entry_names(entry)}
+    if not named & manual:
+        return sharding
+    if not named <= set(context_mesh.axis_names):
+        return sharding  # another mesh's axes: jax says what is wrong with that
+    for dim, entry in enumerate(spec):
+        over_data = [a for a in _entry_names(entry) if a in data_axes]
+        if dim and over_data:
+            raise ValueError(
+                f"the loss constrains an activation to {spec}, which splits its dimension {dim} over the "
+                f"data axis {over_data[0]!r}; the step splits the batch (dimension 0) over the data axes "
+                f"{tuple(data_axes)} itself, so that layout cannot be kept inside it. Put the data axes on the "
+                f"batch dimension only, or leave them out of the constraint: "
+                f"{PartitionSpec(*(_without(entry, set(data_axes)) for entry in spec))}")
+    kept = PartitionSpec(*(_without(entry, manual) for entry in spec))
+    return NamedSharding(context_mesh, kept)
+
+
+def _without(entry: Any, axes: set) -> Any:
+    """A spec entry with ``axes`` removed: ``None`` when nothing is left, one name or a tuple."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return entry
+    left = tuple(a for a in _entry_names(entry) if a not in axes)
+    return None if not left else left[0] if len(left) == 1 else left

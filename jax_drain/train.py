@@ -94,6 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from flax import nnx
 from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -118,7 +119,7 @@ from jax_drain.optimizer import (
 from jax_drain.ownership import check_per_parameter
 from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.scan import ScanGradSync, stacked_leaves
-from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed
+from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed, without_manual_axes
 from jax_drain.sync import GradSync
 
 PyTree = Any
@@ -147,7 +148,9 @@ class TrainConfig:
             declares shardings on its parameters is written for GSPMD), else ``"manual"``.
         logical_axis_rules: ``((logical name, mesh axis or axes or None), ...)``, mapping the
             logical axis names of ``nn.with_logical_partitioning`` (or of nnx metadata) to mesh
-            axes, as for :func:`flax.linen.logical_to_mesh_axes`.
+            axes, as for :func:`flax.linen.logical_to_mesh_axes`. Inside the step they are also the
+            rules Flax's activation constraints (``nn.with_logical_constraint``) read, over any
+            ``nn.logical_axis_rules`` context of the caller's.
         bucket_size, reduce, drain, max_in_flight, split_leaves, wire_dtype: passed to the sync.
         bucket_boundaries: ``"remat"``: no bucket holds parameters of two remat
             (``jax.checkpoint``) blocks of the loss (:func:`jax_drain.remat_groups`); a bucket
@@ -1247,7 +1250,8 @@ def make_train_step(
         boxed = unfreeze(model["params"])
         declared, params = declare(boxed), unboxed(boxed)
         others = {name: unboxed(unfreeze(value)) for name, value in model.items() if name != "params"}
-        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
+        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd),
+                            rules=config.logical_axis_rules).call
 
         def linen_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
             del device
@@ -1260,7 +1264,8 @@ def make_train_step(
     if isinstance(model, nnx.Module):
         graphdef, param_state, key_state, _ = nnx.split(model, nnx.Param, nnx.RngKey, ...)
         declared = declare(param_state)
-        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
+        call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd),
+                            rules=config.logical_axis_rules).call
         params = nnx.to_pure_dict(param_state)
         impls = [jax.random.key_impl(k) for k in jax.tree.leaves(key_state)]
 
@@ -1277,7 +1282,8 @@ def make_train_step(
         return TrainStep(params, loss, _model_state(model), tx, mesh, config, example_batch, model, declared=declared)
 
     declared = declare(model)
-    call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd)).call
+    call = _AxisContext(mesh, config.data_axes, _model_axes(config, declared, gspmd),
+                            rules=config.logical_axis_rules).call
 
     def plain_loss(p: PyTree, state: PyTree, batch: PyTree, device: jax.Array | None) -> tuple[Any, PyTree]:
         del device
@@ -1390,17 +1396,29 @@ class _Background:
 
 
 class _AxisContext:
-    """Calls the user's loss, turning a collective over an axis name the mesh lacks into a
-    ``ValueError`` that names it and the mesh's axes (JAX raises a bare ``AssertionError`` or
-    ``NameError`` from deep inside ``psum``)."""
+    """Calls the user's loss inside the step.
 
-    def __init__(self, mesh: Mesh, data_axes: tuple[str, ...], auto_axes: Sequence[str] = ()):
+    * The model's own activation constraints keep their model axes: the data axes, manual in
+      the step, are dropped from each (:func:`jax_drain.shardings.without_manual_axes`), and
+      ``TrainConfig.logical_axis_rules`` are the rules Flax's logical constraints read, over any
+      rules context of the caller's.
+    * A collective over an axis name the mesh lacks becomes a ``ValueError`` that names it and
+      the mesh's axes (JAX raises a bare ``AssertionError`` or ``NameError`` from deep inside
+      ``psum``).
+    """
+
+    def __init__(self, mesh: Mesh, data_axes: tuple[str, ...], auto_axes: Sequence[str] = (), *,
+                 rules: Sequence[tuple[str, Any]] | None = None):
         self.mesh_axes, self.data_axes = tuple(mesh.axis_names), data_axes
         self.auto_axes = tuple(dict.fromkeys(auto_axes))
+        self.rules = rules
 
     def call(self, loss_fn: Callable[[Any, PyTree], Any], model: Any, batch: PyTree) -> Any:
+        constraints = functools.partial(without_manual_axes, data_axes=self.data_axes)
+        rules = nn.logical_axis_rules(self.rules) if self.rules is not None else contextlib.nullcontext()
         try:
-            return loss_fn(model, batch)
+            with _compat.rewritten_constraints(constraints), rules:
+                return loss_fn(model, batch)
         except (AssertionError, NameError) as e:
             auto = [a for a in self.collective_axes(e) if a in self.auto_axes]
             if auto:
@@ -1420,16 +1438,6 @@ class _AxisContext:
                 f"{self.mesh_axes}, the step's data axes {self.data_axes}. The model's axis_name and the mesh "
                 f"must agree: give the model axis_name={axes!r}, or name the mesh's data axis {missing[0]!r} "
                 f"and build the step with TrainConfig(axis={missing[0]!r})"
-            ) from e
-        except ValueError as e:
-            if not self.auto_axes or not _raised_in(e, "with_sharding_constraint"):
-                raise
-            raise ValueError(
-                f"the loss constrains a sharding over the data axes {self.data_axes}, which "
-                "tensor_parallel='gspmd' makes manual (the step reduces the gradients over them itself): "
-                f"a constraint inside the loss may name only the axes left to XLA, {self.auto_axes}. Drop the "
-                "data axes from the constraint's spec (e.g. P(None, None, 'model') for P(('data', 'fsdp'), None, "
-                "'model')), or apply it only outside the step"
             ) from e
 
     def unbound_axes(self, error: BaseException) -> tuple[str, ...]:
@@ -1452,16 +1460,6 @@ class _AxisContext:
                         names_seen.append(name)
             tb = tb.tb_next
         return tuple(names_seen)
-
-
-def _raised_in(error: BaseException, function: str) -> bool:
-    """Whether ``error`` passed through a function named ``function`` (any module)."""
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == function:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 #: Where ``jax.lax.psum``, ``pmean``, ``all_gather``, ``axis_index`` ... are defined: their

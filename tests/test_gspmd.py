@@ -11,6 +11,7 @@ every model-sharded weight; on XLA's GPU compiler no weight is all-gathered over
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -270,27 +271,76 @@ def test_declared_shardings_over_a_missing_or_data_axis_are_refused_with_their_p
 
 
 
-def test_activation_constraints_name_only_the_axes_left_to_xla(cpu_devices):
-    """GSPMD code constrains activations (MaxText, EasyLM): over the model axis that is XLA's to
-    keep; over a data axis, which the step makes manual, it is refused saying what to write."""
+#: Logical rules as MaxText writes them: the batch over the data axis, the hidden over the model.
+ACTIVATION_RULES = (("activation_batch", "data"), ("activation_hidden", "model"))
+
+
+def _constrained_loss(constrain):
+    """:func:`gspmd_loss` with each block's hidden activation (batch, H) constrained by ``constrain``."""
+    def loss(p, batch):
+        h = batch["x"]
+        for q in p["blocks"]:
+            hidden = constrain(jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"]))
+            h = h + jnp.tanh(hidden @ q["w_out"] + q["b_out"])
+        return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+    return loss
+
+
+def _constraint_ways(mesh):
+    """``name -> (constrain, context to build and run the step in, TrainConfig options)``: every way
+    a model writes "batch over data, hidden over model"."""
+    spec = P("data", "model")
+    wsc = lambda s: (lambda h: jax.lax.with_sharding_constraint(h, s))
+    step_rules = {"logical_axis_rules": ACTIVATION_RULES}
+    callers_rules = (("activation_batch", "data"), ("activation_hidden", None))  # the step's rules must win
+    return {
+        "partition_spec": (wsc(spec), contextlib.nullcontext, {}),
+        "partition_spec_under_with_mesh": (wsc(spec), lambda: mesh, {}),
+        "partition_spec_under_set_mesh": (wsc(spec), lambda: jax.set_mesh(mesh), {}),
+        "named_sharding": (wsc(NamedSharding(mesh, spec)), contextlib.nullcontext, {}),
+        "flax_logical_rules": (lambda h: nn.with_logical_constraint(h, ("activation_batch", "activation_hidden")),
+                               lambda: nn.logical_axis_rules(callers_rules), step_rules),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*mesh.. context manager has been deprecated:DeprecationWarning")
+@pytest.mark.parametrize("way", ["partition_spec", "partition_spec_under_with_mesh", "partition_spec_under_set_mesh",
+                                 "named_sharding", "flax_logical_rules"])
+def test_activation_constraints_over_the_data_axes_keep_their_model_axes(way, cpu_devices):
+    """A model constrains its hidden activations to (batch over "data", hidden over "model"), as
+    MaxText, t5x and EasyLM-style helpers do. Inside the step "data" is manual: the constraint
+    keeps its model axis (the lowered program constrains each device's (4, 16) block to
+    ``[{}, {"model"}]`` and names no data axis), and the step trains like one-device optax."""
+    mesh = _mesh("data_model", cpu_devices)
+    constrain, context, options = _constraint_ways(mesh)[way]
+    params, batches = _params(np.random.default_rng(0)), _batches(1, STEPS)
+    loss = _constrained_loss(constrain)
+    with context():
+        step = jd.make_train_step(_placed(params, mesh), loss, _tx(), mesh,
+                                  jd.TrainConfig(axis="data", bucket_size=60, **options), example_batch=batches[0])
+        assert step.tensor_parallel == "gspmd"
+        program = step.lower(step.abstract_state(), batches[0]).as_text()
+        # The hidden activation's constraints: the step's own leave every dimension open ({?}).
+        constraints = [line for line in program.splitlines() if "sdy.sharding_constraint" in line
+                       and "tensor<4x16xf32>" in line and "[{?}, {?}]" not in line]
+        assert len(constraints) == 2 * L, constraints  # each block's, and its cotangent's in the backward
+        for line in constraints:
+            assert re.search(r'<@\w+, \[\{\}, \{"model"\}\]> : tensor<4x16xf32>', line), line
+        _train_and_compare(step, None, params, gspmd_loss, batches, way)
+
+
+def test_a_constraint_that_splits_a_dimension_over_a_data_axis_is_refused(cpu_devices):
+    """A data axis on a dimension other than the batch's asks for a layout the step cannot give:
+    refused, naming the constraint, the axis and what to write."""
     mesh = _mesh("data_model", cpu_devices)
     params, batch = _placed(_params(np.random.default_rng(0)), mesh), _batches(1, 1)[0]
-
-    def constrained(spec):
-        def loss(p, b):
-            h = jax.lax.with_sharding_constraint(b["x"] @ p["blocks"][0]["w_in"], spec)
-            return jnp.mean((h @ p["blocks"][0]["w_out"] @ p["head"] - b["y"]) ** 2)
-        return loss
-
-    step = jd.make_train_step(params, constrained(P(None, "model")), _tx(), mesh, jd.TrainConfig(),
-                              example_batch=batch)
-    state, metrics = step(step.init(), batch)
-    assert step.tensor_parallel == "gspmd" and np.isfinite(float(metrics.loss))
-    with pytest.raises(ValueError, match=r"constrains a sharding over the data axes \('data',\).* only the axes "
-                                         r"left to XLA, \('model',\)") as error:
-        jd.make_train_step(params, constrained(P("data", "model")), _tx(), mesh, jd.TrainConfig(),
-                           example_batch=batch)
-    assert "Auto axes" in str(error.value.__cause__)  # JAX's own error, chained
+    loss = _constrained_loss(lambda h: jax.lax.with_sharding_constraint(h, P("model", "data")))
+    for config in (jd.TrainConfig(), jd.TrainConfig(tensor_parallel="gspmd", param_specs=SPECS)):
+        with pytest.raises(ValueError, match=r"constrains an activation to P\('model', 'data'\), which splits "
+                                             r"its dimension 1 over the data axis 'data'.*Put the data axes on the "
+                                             r"batch dimension only, or leave them out of the constraint: "
+                                             r"P\('model', None\)"):
+            jd.make_train_step(params, loss, _tx(), mesh, config, example_batch=batch)
 
 
 def test_steps_built_and_run_under_the_callers_explicit_context_mesh(cpu_devices):
