@@ -80,7 +80,8 @@ def pytest_terminal_summary(terminalreporter):
     kinds = {
         "gpu_compile": "need the CUDA PJRT plugin (CI=true or JAX_DRAIN_REQUIRE_GPU_COMPILE=1 fails them)",
         "gpu": "need real GPUs (JAX_DRAIN_TEST_PLATFORM=gpu on a multi-GPU host)",
-        "public_model": "need a public model's source (JAX_DRAIN_FLAX_EXAMPLES=<a flax checkout>)",
+        "public_model": "need a public model's source (JAX_DRAIN_FLAX_EXAMPLES=<a flax checkout>, "
+                        "JAX_DRAIN_EASYLM=<an EasyLM checkout> with its imports)",
     }
     for marker, why in kinds.items():
         n = sum(1 for r in skipped if marker in r.keywords)

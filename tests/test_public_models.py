@@ -28,6 +28,19 @@ Run them with::
     JAX_DRAIN_FLAX_EXAMPLES=/tmp/flax python -m pytest -q -n 0 tests/test_public_models.py
 
 A ``JAX_DRAIN_FLAX_EXAMPLES`` that holds neither fails them instead of skipping.
+
+``examples/public_model_llama.py`` imports EasyLM's LLaMA (``EasyLM/models/llama/llama_model.py``,
+a pjit model whose activations are constrained over its batch axes ``("dp", "fsdp")`` and its
+model axis ``"mp"``) from an EasyLM source tree and trains it on its own mesh, in its trainer's
+``with mesh:``, with ``("dp", "fsdp")`` as the data axes, ZeRO-1 and ZeRO-3: its constraints must
+stay in force over ``"mp"`` alone, its losses and parameters must be within the rounding bounds of
+one-device optax, and a checkpoint must resume bit for bit. Its source is found through
+``JAX_DRAIN_EASYLM`` (a checkout or a git directory, as above); its model file imports packages
+jax_drain does not need (``pip install 'transformers<5' mlxu einops ml_collections``). Without
+either these tests skip, saying which::
+
+    git clone https://github.com/young-geng/EasyLM /tmp/EasyLM
+    JAX_DRAIN_EASYLM=/tmp/EasyLM python -m pytest -q -n 0 tests/test_public_models.py -k llama
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ import jax
 import numpy as np
 import pytest
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, rounding_chain,
                      sgd_rounding_bounds)
@@ -237,3 +251,161 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_the_same_under_zero3(flax_so
         step = step_for(example.ScanMLP(dim, n_layers=3, rngs=nnx.Rngs(0)), shard_params=shard_params)
         with pytest.raises(ValueError, match="axis_name='data'"):
             step(step.init(), batches[0])
+
+
+# -- EasyLM's LLaMA: a pjit model with its own activation constraints ----------------------------
+
+EASYLM_ENV = "JAX_DRAIN_EASYLM"
+EASYLM_FILES = ("EasyLM/__init__.py", "EasyLM/jax_utils.py", "EasyLM/bpt.py", "EasyLM/models/__init__.py",
+                "EasyLM/models/llama/llama_model.py")
+#: What EasyLM's model file imports that jax_drain does not need (transformers: its Flax classes,
+#: which transformers 5 no longer has).
+EASYLM_NEEDS = "pip install 'transformers<5' mlxu einops ml_collections"
+
+
+@pytest.fixture(scope="module")
+def easylm_source(tmp_path_factory) -> str:
+    """An EasyLM checkout whose model file imports, or a skip naming ``JAX_DRAIN_EASYLM`` or the
+    missing packages."""
+    given = os.environ.get(EASYLM_ENV)
+    if not given:
+        pytest.skip(f"no EasyLM source: set {EASYLM_ENV} to an EasyLM checkout or git directory "
+                    "(git clone https://github.com/young-geng/EasyLM) to run its LLaMA")
+    path = pathlib.Path(given)
+    if not all((path / f).is_file() for f in EASYLM_FILES):
+        out = tmp_path_factory.mktemp("easylm")
+        try:  # a git directory: the files at its HEAD
+            for f in EASYLM_FILES:
+                text = subprocess.run(["git", "-C", str(path), "show", f"HEAD:{f}"], check=True, capture_output=True,
+                                      text=True).stdout
+                (out / f).parent.mkdir(parents=True, exist_ok=True)
+                (out / f).write_text(text)
+        except (OSError, subprocess.CalledProcessError) as e:
+            pytest.fail(f"{EASYLM_ENV}={given} holds neither {EASYLM_FILES} nor a git history with them: {e}")
+        path = out
+    try:
+        _example("public_model_llama").load_easylm(path)
+    except ImportError as e:
+        pytest.skip(f"EasyLM's model file does not import here ({e}); it needs `{EASYLM_NEEDS}`")
+    return str(path)
+
+
+def _model_constraints(program: str) -> dict[str, list[str]]:
+    """The lowered program's sharding constraints on the model's activations, by kind: ``xq``,
+    ``xk``, ``xv`` and the feed-forward output (each device's (batch, SEQ, HIDDEN) block) and the
+    attention weights ((batch, HEADS, SEQ, SEQ)), forward and backward. The step's own leave
+    every dimension open (``{?}``)."""
+    ex = _example("public_model_llama")
+    local = ex.BATCH // 4  # the batch is split over dp x fsdp = 4 devices in both meshes
+    shapes = {"hidden": f"tensor<{local}x{ex.SEQ}x{ex.HIDDEN}xf32>",
+              "attention": f"tensor<{local}x{ex.HEADS}x{ex.SEQ}x{ex.SEQ}xf32>"}
+    lines = [line.strip() for line in program.splitlines() if "sdy.sharding_constraint" in line and "{?}" not in line]
+    return {kind: [line for line in lines if line.endswith(shape)] for kind, shape in shapes.items()}
+
+
+#: What EasyLM's code and its trainer's ``with mesh:`` make jax say, every time: not ours to fix.
+easylm_warnings = pytest.mark.filterwarnings(
+    "ignore:.*mesh.. context manager has been deprecated:DeprecationWarning",
+    "ignore:jax.interpreters.pxla.thread_resources is deprecated:DeprecationWarning",
+    "ignore:jax.experimental.pjit.pjit has been deprecated:DeprecationWarning")
+
+
+@pytest.mark.public_model
+@easylm_warnings
+@pytest.mark.parametrize("zero3", [False, True], ids=["zero1", "zero3"])
+@pytest.mark.parametrize("mesh", ["4,1,2", "2,2,2"], ids=["dp4_mp2", "dp2_fsdp2_mp2"])
+def test_easylm_llama_unchanged_keeps_its_constraints_and_trains_like_one_device_optax(
+        easylm_source, mesh, zero3, tmp_path, cpu_devices):
+    """EasyLM's LLaMA, its file unchanged, on its own ('dp', 'fsdp', 'mp') mesh in its trainer's
+    ``with mesh:``: the data axes ('dp', 'fsdp') are jax_drain's, its partition rules (less
+    'fsdp', which jax_drain's ZeRO covers) shard the weights over 'mp'. Its activation
+    constraints stay in force over 'mp' and name no data axis; 5 AdamW steps give one-device
+    optax's losses and parameters within their float32 rounding bounds; a checkpoint resumes bit
+    for bit."""
+    ex = _example("public_model_llama")
+    run = ex.main(["--easylm", easylm_source, "--steps", "5", "--mesh", mesh] + ["--zero3"] * zero3)
+    step, state, run_mesh, data = run["step"], run["state"], run["mesh"], run["data"]
+    assert step.tensor_parallel == "gspmd" and step.sync.tensor_parallel == "gspmd"
+    assert step.config.data_axes == ("dp", "fsdp") and tuple(run_mesh.axis_names) == ("dp", "fsdp", "mp")
+
+    # EasyLM's own rules, as its trainer matches them; jax_drain's specs are those less 'fsdp'.
+    wte = lambda specs: specs["params"]["transformer"]["wte"]["embedding"]  # noqa: E731
+    wq = lambda specs: specs["params"]["transformer"]["h"]["0"]["attention"]["wq"]["kernel"]  # noqa: E731
+    assert (wte(run["easylm_specs"]), wq(run["easylm_specs"])) == (P("mp", "fsdp"), P("fsdp", "mp"))
+    assert (wte(run["specs"]), wq(run["specs"])) == (P("mp", None), P(None, "mp"))
+    if not zero3:  # each device holds its half of every weight EasyLM shards over 'mp'
+        blocks = {k.replace("['", "").replace("']", "/").rstrip("/"): v for k, v in run["blocks"].items()}
+        assert blocks["params/transformer/wte/embedding"] == ((256, 64), (128, 64))
+        assert blocks["params/lm_head/kernel"] == ((64, 256), (64, 128))
+        for layer in range(ex.LAYERS):
+            block = f"params/transformer/h/{layer}"
+            assert blocks[f"{block}/attention/wq/kernel"] == ((64, 64), (64, 32))
+            assert blocks[f"{block}/attention/wo/kernel"] == ((64, 64), (32, 64))
+            assert blocks[f"{block}/feed_forward/w2/kernel"] == ((128, 64), (64, 64))
+        assert len(blocks) == 2 + 7 * ex.LAYERS  # every kernel and the embedding; the norm scales whole
+
+    # The model's constraints are in force inside the step, over 'mp' alone: each device's block
+    # of xq, xk, xv and the feed-forward output is (None, None, "mp"), the attention weights'
+    # (None, "mp", None, None); the data axes, manual in the step, are named by none of them.
+    with run["context"]():
+        program = step.lower(state, data[0]).as_text()
+    constraints = _model_constraints(program)
+    hidden, attention = constraints["hidden"], constraints["attention"]
+    assert len(hidden) >= 4 * ex.LAYERS and len(attention) >= ex.LAYERS, constraints  # forward; backward too
+    for line in hidden:
+        assert re.search(r'<@\w+, \[\{\}, \{\}, \{"mp"\}\]>', line), line
+    for line in attention:
+        assert re.search(r'<@\w+, \[\{\}, \{"mp"\}, \{\}, \{\}\]>', line), line
+    blocks_of_the_batch = re.compile(rf"sdy\.sharding_constraint .* : tensor<{ex.BATCH // 4}x\d+x")
+    activations = [line for line in program.splitlines() if blocks_of_the_batch.search(line)]
+    assert not [line for line in activations if '"dp"' in line or '"fsdp"' in line], activations
+
+    # Losses and parameters within the AdamW trajectory's float32 rounding bounds of one-device
+    # optax: each step's gradient is the one-device gradient's chain of roundings plus the sum
+    # over the 8 devices and the mean's division.
+    want, want_losses, gradients = run["reference"]
+    params, batch = run["variables"], data[0]
+    additions = rounding_chain(jax.grad(run["loss_fn"]), params, batch) + 8 + 1
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params, b2=ex.B2,
+                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
+    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params after 5 AdamW steps")
+    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    assert run["losses"][-1] < run["losses"][0]
+
+    # A checkpoint of the trained state, restored into the step's layout, is the state bit for
+    # bit, and the next step from it is the next step from the state itself.
+    import jax_drain as jd
+
+    directory = tmp_path / "checkpoints"
+    jd.save_checkpoint(directory, state)
+    restored, _ = jd.restore_checkpoint(directory, step.abstract_state())
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(restored),
+                          jax.tree.leaves(state)):
+        np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b), err_msg=jax.tree_util.keystr(path[0]))
+    after = next(ex.batches(1, seed=2))
+    with run["context"]():
+        resumed, resumed_metrics = step(restored, after)
+        going, going_metrics = step(state, after)
+    assert int(resumed.step) == int(going.step) == 6
+    assert float(resumed_metrics.loss) == float(going_metrics.loss)
+    for a, b in zip(jax.tree.leaves(step.master_params(resumed)), jax.tree.leaves(step.master_params(going))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.public_model
+@easylm_warnings
+def test_easylm_llama_constraints_need_its_trainers_mesh_context(easylm_source, cpu_devices):
+    """EasyLM's helper applies a constraint only when the mesh of ``with mesh:`` has its axes:
+    built and run outside it, the program holds none of the model's constraints, and still
+    trains like one-device optax (the constraints are layout, not arithmetic)."""
+    ex = _example("public_model_llama")
+    run = ex.main(["--easylm", easylm_source, "--steps", "2", "--context", "none"])
+    with run["context"]():
+        program = run["step"].lower(run["state"], run["data"][0]).as_text()
+    assert _model_constraints(program) == {"hidden": [], "attention": []}
+    want, want_losses, gradients = run["reference"]
+    additions = rounding_chain(jax.grad(run["loss_fn"]), run["variables"], run["data"][0]) + 8 + 1
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=run["variables"],
+                                  b2=ex.B2, max_norm=ex.MAX_NORM, weight_decay=ex.WD)
+    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params, no mesh context")
