@@ -63,6 +63,8 @@ import importlib  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
+import warnings  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -76,6 +78,13 @@ DATA_AXES = ("dp", "fsdp")  # EasyLM's batch axes: its batches are constrained t
 #: The mesh contexts the step can be built and run in; EasyLM's ``with_sharding_constraint`` sees
 #: the mesh of ``with mesh:`` only.
 CONTEXTS = {"with_mesh": lambda mesh: mesh, "none": lambda mesh: contextlib.nullcontext()}
+
+
+# jax 0.10 deprecates `with mesh:` and jax.experimental.pjit, which EasyLM's helper reads and its
+# jax_utils imports: said at every step, and not this script's to change.
+warnings.filterwarnings("ignore", r".*mesh.. context manager has been deprecated", DeprecationWarning)
+warnings.filterwarnings("ignore", r"jax\.interpreters\.pxla\.thread_resources is deprecated", DeprecationWarning)
+warnings.filterwarnings("ignore", r"jax\.experimental\.pjit\.pjit has been deprecated", DeprecationWarning)
 
 
 def load_easylm(easylm_dir):
@@ -166,8 +175,13 @@ def main(argv=None):
 
     # (b) each device holds its own block: 1/n of every dimension sharded over mesh axes of size n.
     size = lambda entry: int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ())]))
-    blocks = {}
-    if not args.zero3:  # ZeRO-3 holds shards of flat buckets instead
+    blocks, held = {}, 0
+    if args.zero3:  # ZeRO-3: each device holds 1/(data x mp) of every flat bucket of parameters
+        for x in jax.tree.leaves(state.params):
+            got = {s.data.shape for s in x.addressable_shards}
+            assert got == {(x.shape[0] // mesh.size,)}, (x.shape, x.sharding.spec, got)
+            held += x.shape[0] // mesh.size
+    else:
         for path, x in jax.tree_util.tree_leaves_with_path(state.params):
             spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
             want = tuple(d // size(e) for d, e in zip(x.shape, spec))
@@ -194,13 +208,18 @@ def main(argv=None):
     mode = "ZeRO-3" if args.zero3 else "ZeRO-1"
     print(f"model: EasyLM {MODEL_FILE} FlaxLLaMAForCausalLMModule, unchanged; mesh {dict(mesh.shape)}, "
           f"data axes {DATA_AXES}, {mode}, context {args.context}")
-    print(f"tensor_parallel={step.tensor_parallel}; {len(blocks)} weights held as blocks over mp, e.g.")
+    if args.zero3:
+        total = sum(x.size for x in jax.tree.leaves(variables))
+        print(f"tensor_parallel={step.tensor_parallel}; each device holds {held} parameter elements of {total} "
+              f"(1/{mesh.size} of each bucket)")
+    else:
+        print(f"tensor_parallel={step.tensor_parallel}; {len(blocks)} weights held as blocks over mp, e.g.")
     for path, (shape, block) in list(blocks.items())[:4]:
         print(f"  {path}: global {shape} -> {block} per device")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps (optax: {ref_losses[0]:.4f} -> "
           f"{ref_losses[-1]:.4f})")
     print(f"max relative difference vs one-device optax: params {param_diff:.2e}, losses {loss_diff:.2e}")
-    return {"step": step, "state": state, "losses": losses, "blocks": blocks, "param_diff": param_diff,
+    return {"step": step, "state": state, "losses": losses, "blocks": blocks, "held": held, "param_diff": param_diff,
             "loss_diff": loss_diff, "reference": (plain, ref_losses, ref_grads), "data": data, "variables": variables,
             "loss_fn": loss_fn, "trained": trained, "mesh": mesh, "specs": specs, "easylm_specs": easylm_specs,
             "tx": tx, "config": train_config, "rules": rules, "context": context}

@@ -343,6 +343,8 @@ def test_easylm_llama_unchanged_keeps_its_constraints_and_trains_like_one_device
             assert blocks[f"{block}/attention/wo/kernel"] == ((64, 64), (32, 64))
             assert blocks[f"{block}/feed_forward/w2/kernel"] == ((128, 64), (64, 64))
         assert len(blocks) == 2 + 7 * ex.LAYERS  # every kernel and the embedding; the norm scales whole
+    else:  # the example checked that each device holds 1/8 of every bucket
+        assert not run["blocks"] and run["held"] * 8 >= sum(x.size for x in jax.tree.leaves(run["variables"]))
 
     # The model's constraints are in force inside the step, over 'mp' alone: each device's block
     # of xq, xk, xv and the feed-forward output is (None, None, "mp"), the attention weights'
