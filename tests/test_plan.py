@@ -266,6 +266,14 @@ def test_zero3_strategy_names(name, expected):
     assert (s.reduce, s.max_in_flight) == expected and s.zero3 and s.name == name
 
 
+def test_noreshard_strategy_names():
+    s = plan.Strategy.parse("fp32_accum_streamed+drain+zero3+noreshard")
+    assert s.zero3 and not s.reshard_after_forward and s.reduce == "fp32_accum_streamed"
+    assert plan.Strategy.parse("zero3+drain").reshard_after_forward
+    with pytest.raises(ValueError, match=r"needs \+zero3"):
+        plan.Strategy.parse("fp32_accum+drain+noreshard")
+
+
 @pytest.mark.parametrize("name", ["gspmd+split", "fp32_accum+split+drain", "fp32_accum+drain+drain", "fp32+"])
 def test_bad_strategy_names(name):
     with pytest.raises(ValueError, match="unknown strategy"):

@@ -96,6 +96,9 @@ class Strategy:
     ``"zero3+drain"`` (``fp32_accum``), or a ``+zero3`` suffix on any mode. ``blocks``: the
     ``+blocks`` suffix, no bucket spanning two remat blocks (``GradSync(bucket_groups=
     remat_groups(...))``, :class:`TrainConfig <jax_drain.TrainConfig>`'s default).
+    ``reshard_after_forward``: with ``zero3``, ``False`` is the ``+noreshard`` suffix: each
+    bucket gathered once and kept from forward to backward
+    (``TrainConfig(reshard_after_forward=False)``).
     """
 
     name: str
@@ -104,6 +107,7 @@ class Strategy:
     split: bool = False
     zero3: bool = False
     blocks: bool = False
+    reshard_after_forward: bool = True
 
     @property
     def is_baseline(self) -> bool:
@@ -119,7 +123,11 @@ class Strategy:
         mode, *flags = name.split("+")
         zero3 = mode == "zero3" or "zero3" in flags
         blocks = "blocks" in flags
-        flags = [f for f in flags if f not in ("zero3", "blocks")]
+        reshard = "noreshard" not in flags
+        if not reshard and not zero3:
+            raise ValueError(f"strategy {name!r}: +noreshard keeps ZeRO-3's gathered buckets from forward to "
+                             "backward; it needs +zero3 (e.g. 'zero3+drain+noreshard')")
+        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard")]
         mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
@@ -128,9 +136,9 @@ class Strategy:
             depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth, split, zero3, blocks)
-        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3][+blocks]" for m in REDUCE_MODES]
-                 + ["zero3[+drain[K]][+blocks]"])
+            return cls(name, mode, depth, split, zero3, blocks, reshard)
+        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks]" for m in REDUCE_MODES]
+                 + ["zero3[+drain[K]][+blocks][+noreshard]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -602,6 +610,7 @@ def build_user_step(
     bucket_size: int | None = None,
     order: Sequence[int] | None = None,
     stacked: Any = None,
+    groups: Sequence[Any] | None = None,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
     """A jitted gradient step of any ``loss_fn(params, batch)`` with ``strategy`` on ``mesh``
     (data parallel over ``axis``), its abstract inputs (params, batch) and its sync (``None``
@@ -628,8 +637,9 @@ def build_user_step(
       (a mask of scanned leaves, :func:`jax_drain.stacked_leaves`) :class:`ScanGradSync`
       (whose layer buckets follow the layers already: ``+blocks`` changes nothing there).
 
-    ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) is traced from
-    ``loss_fn`` when not given. Raises :class:`StrategyUnavailable` for a ``+split`` strategy
+    ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) and, for
+    ``+blocks``, ``groups`` (:func:`jax_drain.remat_groups`) are traced from ``loss_fn`` when not
+    given. Raises :class:`StrategyUnavailable` for a ``+split`` strategy
     when the runtime has no ``split_leaves`` option.
     """
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
@@ -667,19 +677,19 @@ def build_user_step(
             reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
         )
         if strategy.zero3:
-            return _zero3_step(scan_sync, loss_fn, batch, axis)
+            return _zero3_step(scan_sync, loss_fn, batch, axis, strategy.reshard_after_forward)
         step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
                                          out_specs=(P(), scan_sync.shard_specs())))
         return step, (params, batch), scan_sync
 
     if strategy.blocks:
-        extra["bucket_groups"] = remat_groups(loss_fn, params, batch)
+        extra["bucket_groups"] = remat_groups(loss_fn, params, batch) if groups is None else groups
     sync = GradSync(
         params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
         drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
     )
     if strategy.zero3:
-        return _zero3_step(sync, loss_fn, batch, axis)
+        return _zero3_step(sync, loss_fn, batch, axis, strategy.reshard_after_forward)
     # no_comm: the sync's work minus the wire (each bucket summed over its own chunks, drained).
     floor = strategy.name == "no_comm"
     fn = _no_comm_grad(sync, loss_fn, sync.shard_specs()) if floor else sync.value_and_grad(loss_fn)
@@ -687,13 +697,16 @@ def build_user_step(
     return step, (params, batch), sync
 
 
-def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any, axis: str) -> tuple[Any, tuple, ChainedSync]:
+def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any, axis: str,
+                reshard_after_forward: bool = True) -> tuple[Any, tuple, ChainedSync]:
     """A ZeRO-3 gradient step of ``sync`` and its abstract inputs: the parameter shards (global,
-    split like the gradient shards) and the batch."""
+    split like the gradient shards) and the batch. The gathers run one bucket ahead
+    (``gather_max_in_flight=1``) whatever the drain depth."""
     zero3.check_shardable(sync)
     shards = sync.pack_shards([jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype)
                                for chain, k in sync.flat_chains])
-    step = jax.jit(_compat.shard_map(zero3.value_and_grad(sync, loss_fn), mesh=sync.mesh,
+    grad_fn = zero3.value_and_grad(sync, loss_fn, reshard_after_forward=reshard_after_forward)
+    step = jax.jit(_compat.shard_map(grad_fn, mesh=sync.mesh,
                                      in_specs=(sync.shard_specs(), P(axis)), out_specs=(P(), sync.shard_specs())))
     return step, (shards, batch), sync
 
