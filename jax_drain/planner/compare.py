@@ -317,6 +317,94 @@ def _per_layer(params: Any, stacked: Any) -> list[jax.ShapeDtypeStruct]:
             if s]
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedModel:
+    """A user's model checked and traced once, ready to build steps for: what
+    :func:`plan_model` and :func:`jax_drain.planner.search.search_model` share.
+
+    ``params``/``batch``: global-shape ``jax.ShapeDtypeStruct`` pytrees; ``order``: the
+    gradient-ready order; ``stacked``: the scanned leaves (``None``: no scan); ``mesh``: the
+    compile-only data-parallel mesh; ``description``: one line for a table's head.
+    """
+
+    loss_fn: Callable[[Any, Any], Any]
+    params: Any
+    batch: Any
+    mesh: Any
+    order: tuple[int, ...]
+    stacked: Any
+    description: str
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    def bucket_size(self, num_buckets: int, *, split_leaves: bool = False, groups: Sequence[Any] | None = None) -> int:
+        """The bucket size (elements) nearest ``num_buckets`` buckets (:func:`bucket_size_for`);
+        of a scanned stack, per layer: each layer's buckets are that count over the layers.
+
+        Example::
+
+            >>> model.bucket_size(12)  # doctest: +SKIP
+            786432
+        """
+        n = self.num_devices
+        if self.stacked is None:
+            return bucket_size_for(self.params, num_buckets, n, self.order, split_leaves=split_leaves, groups=groups)
+        layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(self.params), jax.tree.leaves(self.stacked)) if s)
+        return bucket_size_for(_per_layer(self.params, self.stacked), max(1, round(num_buckets / layers)), n,
+                               split_leaves=split_leaves)
+
+
+def prepare_model(
+    loss_fn: Callable[[Any, Any], Any],
+    params: Any,
+    batch: Any,
+    *,
+    target: str = "h100",
+    topology: str = "1x1x8",
+    scan: bool | None = None,
+    name: str = "",
+) -> PreparedModel:
+    """Checks ``loss_fn``, ``params`` and ``batch`` as :func:`plan_model` takes them (clear
+    errors before any compile) and traces what every strategy's step needs once.
+
+    Example::
+
+        model = prepare_model(loss, params, batch, topology="1x1x8")
+        model.bucket_size(24), model.description
+    """
+    params = abstract_tree(params, "params")
+    batch = abstract_tree(batch, "batch")
+    slices, hosts, gpus = parse_topology(topology)
+    n = slices * hosts * gpus
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if not leaf.shape or leaf.shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'} has shape {tuple(leaf.shape)}: its leading "
+                f"dimension must divide over the {n} data-parallel devices")
+    local_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+    try:
+        out = jax.eval_shape(loss_fn, params, local_batch)
+    except Exception as e:
+        raise PlanError(f"could not trace loss_fn(params, batch): {type(e).__name__}: {e}") from e
+    if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+        raise PlanError(f"loss_fn(params, batch) must return a float scalar (the per-device mean loss), "
+                        f"got {getattr(out, 'shape', type(out).__name__)}")
+    try:
+        order = grad_ready_order(loss_fn, params, local_batch)
+        stacked = stacked_leaves(loss_fn, params, local_batch) if scan is not False else None
+    except Exception as e:
+        raise PlanError(f"could not trace jax.grad(loss_fn): {type(e).__name__}: {e}") from e
+    if stacked is not None and not any(jax.tree.leaves(stacked)):
+        if scan:
+            raise ValueError("scan=True, but loss_fn scans over no leaf of params")
+        stacked = None
+    mesh = gpu_mesh((n,), ("data",), target=target, topology=topology)
+    description = (f"{name}: " if name else "") + describe_model(params, batch)
+    return PreparedModel(loss_fn, params, batch, mesh, tuple(order), stacked, description)
+
+
 def plan_model(
     loss_fn: Callable[[Any, Any], Any],
     params: Any,
@@ -362,48 +450,18 @@ def plan_model(
     parsed = [Strategy.parse(s) if isinstance(s, str) else s for s in strategies]
     if not parsed:
         raise ValueError("give at least one strategy")
-    params = abstract_tree(params, "params")
-    batch = abstract_tree(batch, "batch")
-    slices, hosts, gpus = parse_topology(topology)
-    n = slices * hosts * gpus
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if not leaf.shape or leaf.shape[0] % n:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'} has shape {tuple(leaf.shape)}: its leading "
-                f"dimension must divide over the {n} data-parallel devices")
-    local_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
-    try:
-        out = jax.eval_shape(loss_fn, params, local_batch)
-    except Exception as e:
-        raise PlanError(f"could not trace loss_fn(params, batch): {type(e).__name__}: {e}") from e
-    if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
-        raise PlanError(f"loss_fn(params, batch) must return a float scalar (the per-device mean loss), "
-                        f"got {getattr(out, 'shape', type(out).__name__)}")
-    try:
-        order = grad_ready_order(loss_fn, params, local_batch)
-        stacked = stacked_leaves(loss_fn, params, local_batch) if scan is not False else None
-    except Exception as e:
-        raise PlanError(f"could not trace jax.grad(loss_fn): {type(e).__name__}: {e}") from e
-    if stacked is not None and not any(jax.tree.leaves(stacked)):
-        if scan:
-            raise ValueError("scan=True, but loss_fn scans over no leaf of params")
-        stacked = None
-    mesh = gpu_mesh((n,), ("data",), target=target, topology=topology)
+    model = prepare_model(loss_fn, params, batch, target=target, topology=topology, scan=scan, name=name)
+    n, params, order, stacked = model.num_devices, model.params, model.order, model.stacked
     if bucket_size is None:
-        if stacked is None:
-            bucket_size = bucket_size_for(params, num_buckets or 1, n, order)
-        else:  # per layer: the stacked leaves' slices hold the layer chain's buckets
-            layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(stacked)) if s)
-            bucket_size = bucket_size_for(_per_layer(params, stacked), max(1, round((num_buckets or 1) / layers)), n)
+        bucket_size = model.bucket_size(num_buckets or 1)
     itemsize = max(jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
-    model = (f"{name}: " if name else "") + describe_model(params, batch)
-    shown = Progress(progress, len(parsed), f"{model} on {n}x {target} ({topology})")
+    shown = Progress(progress, len(parsed), f"{model.description} on {n}x {target} ({topology})")
 
     rows = []
     for k, strat in enumerate(parsed):
         try:
-            step, args, sync = build_user_step(strat, loss_fn, params, batch, mesh, bucket_size=bucket_size,
-                                               order=order, stacked=stacked)
+            step, args, sync = build_user_step(strat, loss_fn, params, model.batch, model.mesh,
+                                               bucket_size=bucket_size, order=order, stacked=stacked)
         except StrategyUnavailable as e:
             shown.unavailable(k, strat.name)
             rows.append(Row(strat.name, unavailable=str(e)))
@@ -420,7 +478,7 @@ def plan_model(
             raise
         shown.compiled(report.temp_bytes)
         rows.append(Row(strat.name, report))
-    return Comparison(tuple(rows), target, topology, n, model, largest_leaf(params))
+    return Comparison(tuple(rows), target, topology, n, model.description, largest_leaf(params))
 
 
 def largest_leaf(params: Any) -> tuple[str, int] | None:
