@@ -9,8 +9,10 @@ Re-exports the public names of :mod:`jax_drain.planner` (``plan``, ``plan_preset
 
 Python: ``print(plan_model(loss_fn, params, batch))`` compares the strategies on your model
 (:mod:`jax_drain.planner.compare`) and prints the table and the verdict, with one progress line
-per strategy on stderr while it compiles; also reachable as ``jd.plan`` after ``import jax_drain
-as jd``. With the ``gpu-compile`` extra installed it needs no environment variables: on a
+per strategy on stderr while it compiles. ``search_model(loss_fn, params, batch, 600 * 2**20)``
+(:mod:`jax_drain.planner.search`; CLI ``--memory-budget 600``) finds the configuration with the
+lowest predicted step whose memory fits the budget. This module is also reachable as
+``jd.plan`` after ``import jax_drain as jd``. With the ``gpu-compile`` extra installed it needs no environment variables: on a
 machine without a GPU, ``import jax_drain`` registers the CUDA plugin for compile-only devices.
 """
 
@@ -41,6 +43,17 @@ from jax_drain.planner.plan import (
     split_supported,
     summarize_collectives,
 )
+from jax_drain.planner.search import (
+    DEFAULT_CANDIDATES,
+    SEARCH_MODES,
+    BudgetTooSmall,
+    Candidate,
+    Pruned,
+    Search,
+    SearchRow,
+    search_model,
+    search_preset,
+)
 from jax_drain.planner.targets import (
     KNOWN_TARGETS,
     GpuCompileUnavailable,
@@ -56,12 +69,19 @@ __all__ = [
     "CHAIN_SCOPES",
     "KNOWN_TARGETS",
     "BucketRef",
+    "BudgetTooSmall",
+    "Candidate",
     "Comparison",
+    "DEFAULT_CANDIDATES",
     "DEFAULT_STRATEGIES",
     "GpuCompileUnavailable",
     "Plan",
     "PlanError",
+    "Pruned",
     "Row",
+    "SEARCH_MODES",
+    "Search",
+    "SearchRow",
     "Strategy",
     "StrategyUnavailable",
     "bucket_size_for",
@@ -84,6 +104,8 @@ __all__ = [
     "plan_model",
     "plan_preset",
     "preset_config",
+    "search_model",
+    "search_preset",
     "split_supported",
     "summarize_collectives",
     "target_config",

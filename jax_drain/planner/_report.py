@@ -22,11 +22,12 @@ class Progress:
 
     A strategy's line starts when its compile starts and ends when it is done. Nothing is written
     before the first compile (or unavailable strategy), so an error in the inputs stays the only
-    line. ``enabled=False`` writes nothing.
+    line. ``enabled=False`` writes nothing. ``header``: the first line instead of "planning
+    WHAT, N strategies" (a search, whose count is an upper bound).
     """
 
-    def __init__(self, enabled: bool, total: int, what: str):
-        self.enabled, self.total, self.what = enabled, total, what
+    def __init__(self, enabled: bool, total: int, what: str, header: str | None = None):
+        self.enabled, self.total, self.what, self.header = enabled, total, what, header
         self._headed = self._open = False
         self._t0 = 0.0
 
@@ -34,7 +35,8 @@ class Progress:
         if self.enabled:
             if not self._headed:
                 self._headed = True
-                text = f"planning {self.what}, {self.total} strateg{'y' if self.total == 1 else 'ies'}\n{text}"
+                head = self.header or f"planning {self.what}, {self.total} strateg{'y' if self.total == 1 else 'ies'}"
+                text = f"{head}\n{text}"
             sys.stderr.write(text)  # looked up on use: pytest and notebooks replace sys.stderr
             sys.stderr.flush()
 
@@ -44,10 +46,11 @@ class Progress:
         self._write(f"  [{index + 1}/{self.total}] {name} ... ")
         self._open = True
 
-    def compiled(self, temp_bytes: int) -> None:
-        """Ends the line with the compiled program's temp bytes and the compile's time."""
+    def compiled(self, temp_bytes: int, detail: str | None = None) -> None:
+        """Ends the line with the compiled program's temp bytes (or ``detail``) and the compile's time."""
         self._open = False
-        self._write(f"{mib(temp_bytes)} temp, compiled in {time.perf_counter() - self._t0:.1f} s\n")
+        what = detail if detail is not None else f"{mib(temp_bytes)} temp"
+        self._write(f"{what}, compiled in {time.perf_counter() - self._t0:.1f} s\n")
 
     def unavailable(self, index: int, name: str) -> None:
         self._write(f"  [{index + 1}/{self.total}] {name}: not available (see its row)\n")

@@ -324,7 +324,8 @@ class PreparedModel:
 
     ``params``/``batch``: global-shape ``jax.ShapeDtypeStruct`` pytrees; ``order``: the
     gradient-ready order; ``stacked``: the scanned leaves (``None``: no scan); ``mesh``: the
-    compile-only data-parallel mesh; ``description``: one line for a table's head.
+    compile-only data-parallel mesh of ``target`` GPUs on ``topology``; ``description``: one
+    line for a table's head.
     """
 
     loss_fn: Callable[[Any, Any], Any]
@@ -334,6 +335,8 @@ class PreparedModel:
     order: tuple[int, ...]
     stacked: Any
     description: str
+    target: str = "h100"
+    topology: str = "1x1x8"
 
     @property
     def num_devices(self) -> int:
@@ -402,7 +405,7 @@ def prepare_model(
         stacked = None
     mesh = gpu_mesh((n,), ("data",), target=target, topology=topology)
     description = (f"{name}: " if name else "") + describe_model(params, batch)
-    return PreparedModel(loss_fn, params, batch, mesh, tuple(order), stacked, description)
+    return PreparedModel(loss_fn, params, batch, mesh, tuple(order), stacked, description, target, topology)
 
 
 def plan_model(
