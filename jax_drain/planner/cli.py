@@ -3,8 +3,11 @@
 Three sources of a step: a built-in ``--preset``; your model, ``--loss/--params/--batch``
 (compared over several strategies, :func:`jax_drain.planner.compare.plan_model`); or your own
 step, ``--step MODULE:FUNCTION``. ``MODULE`` is an importable module or a path to a ``.py`` file.
+``--memory-budget MiB`` (a preset or ``--loss``) searches the configurations for the fastest
+that fits instead (:mod:`jax_drain.planner.search`).
 
-Exit status: 0 planned; 2 bad input or the step did not plan (one line on stderr); 3 no usable
+Exit status: 0 planned; 2 bad input, the step did not plan or nothing fits the memory budget
+(one line on stderr; with ``--json`` the search is written first, its ``choice`` null); 3 no usable
 CUDA PJRT plugin (the one-line :class:`~jax_drain.planner.targets.GpuCompileUnavailable`
 message on stderr).
 """
@@ -33,6 +36,7 @@ from jax_drain.planner.compare import (
 from jax_drain.planner.plan import (
     SCOPE_PREFIX, Plan, Strategy, StrategyUnavailable, plan, plan_preset, preset_config,
 )
+from jax_drain.planner.search import BudgetTooSmall, search_model, search_preset
 from jax_drain.planner.targets import GpuCompileUnavailable, gpu_devices, gpu_mesh, parse_topology
 
 #: Size flags that reach a user's PARAMS/BATCH/FUNCTION as keywords of the same name.
@@ -47,6 +51,16 @@ _STEP_HELP = (
     "strategies are those of --loss), else once; and with bucket_size=, num_buckets=, layers=, d_model=, "
     "heads=, seq=, micro_batch= if it has parameters of those names and the flags are given"
 )
+
+
+def _positive_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -103,9 +117,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="sequences per device (preset default 1; or your BATCH's micro_batch=)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option, e.g. xla_gpu_experimental_parallel_collective_overlap_limit=2")
+    p.add_argument("--memory-budget", type=_positive_mib, metavar="MiB",
+                   help="search bucket size, drain depth, reduce mode, split leaves, bucket boundaries, ZeRO stage "
+                   "and reshard_after_forward for the configuration with the lowest predicted step whose temp + "
+                   "arguments per device fit this many MiB (a preset or --loss; --num-buckets: where it starts); "
+                   "prints the time-memory frontier and the chosen TrainConfig")
+    p.add_argument("--max-compiles", type=_positive_int, metavar="N",
+                   help="with --memory-budget: compile at most N steps (default 24)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON: one row per strategy (a list) for "
-                   "--loss, --step or several strategies; one preset strategy's full report otherwise")
-    p.add_argument("--plot", metavar="FILE.png", help="plot live bytes over the schedule")
+                   "--loss, --step or several strategies; one preset strategy's full report otherwise; with "
+                   "--memory-budget {\"rows\": [...], \"choice\": {\"config\": {...}, ...}, ...}")
+    p.add_argument("--plot", metavar="FILE.png", help="plot live bytes over the schedule (with --memory-budget: "
+                   "predicted step against memory, the frontier and the choice)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines on stderr while compiling (one per strategy otherwise)")
     return p
@@ -117,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies = _strategy_list(args.strategy)
         options = _xla_options(args.xla_option)
         gpu_devices(args.target, args.topology)  # no usable plugin: its one-line error before any progress
+        if args.memory_budget is not None:
+            return _search(args, strategies, options)
+        if args.max_compiles is not None:
+            raise ValueError("--max-compiles bounds a search: give --memory-budget MiB too")
         if args.loss or args.params or args.batch:
             report: Plan | Comparison = _plan_user_model(args, strategies, options)
         elif args.step:
@@ -139,9 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shown.compiled(report.temp_bytes)
         print(report)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report.to_json(), f, indent=1)
-            print(f"wrote {pathlib.Path(args.json).absolute()}")
+            _write_json(args.json, report.to_json())
         if args.plot:
             print(f"wrote {report.plot(args.plot)}")
     except GpuCompileUnavailable as e:  # no usable CUDA PJRT plugin: one line, no traceback
@@ -290,7 +315,9 @@ def _refuse_unused(given: dict[str, Any], used: set[str], where: str) -> None:
         raise ValueError(f"{flags} given, but {where} has no {names} parameter to receive it")
 
 
-def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> Comparison:
+def _user_model(args: argparse.Namespace) -> tuple[Callable[..., Any], Any, Any, str]:
+    """``(loss_fn, params, batch, name)`` of ``--loss/--params/--batch``, the size flags offered to
+    PARAMS and BATCH."""
     missing = [flag for flag, value in (("--loss", args.loss), ("--params", args.params), ("--batch", args.batch))
                if not value]
     if missing:
@@ -313,13 +340,59 @@ def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, opt
         values[flag] = abstract_tree(value, f"{flag}: {spec}()")
     _refuse_unused(given, used, f"neither {args.params} nor {args.batch}")
     name = args.loss.rpartition(":")[0]
+    return loss_fn, values["--params"], values["--batch"], pathlib.Path(name).stem if name.endswith(".py") else name
+
+
+def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> Comparison:
+    loss_fn, params, batch, name = _user_model(args)
     return plan_model(
-        loss_fn, values["--params"], values["--batch"], strategies or DEFAULT_STRATEGIES,
+        loss_fn, params, batch, strategies or DEFAULT_STRATEGIES,
         target=args.target, topology=args.topology, bucket_size=args.bucket_size,
         num_buckets=None if args.bucket_size else _num_buckets_arg(args), compiler_options=options or None,
-        scan=True if args.scan_layers else None, name=pathlib.Path(name).stem if name.endswith(".py") else name,
-        progress=not args.quiet,
+        scan=True if args.scan_layers else None, name=name, progress=not args.quiet,
     )
+
+
+def _search(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> int:
+    """``--memory-budget``: the search's table (and JSON, plot); exit 2 when nothing fits."""
+    for flag, given in (("--strategy", strategies), ("--bucket-size", args.bucket_size), ("--step", args.step)):
+        if given:
+            raise ValueError(f"--memory-budget searches the strategies and bucket sizes itself: leave out {flag} "
+                             "(--num-buckets sets where it starts; --step cannot be searched, give --loss)")
+    budget = round(args.memory_budget * 2**20)
+    common = dict(num_buckets=_num_buckets_arg(args), max_compiles=args.max_compiles or 24, target=args.target,
+                  topology=args.topology, compiler_options=options or None, progress=not args.quiet,
+                  scan=True if args.scan_layers else None)
+    try:
+        if args.loss or args.params or args.batch:
+            loss_fn, params, batch, name = _user_model(args)
+            found = search_model(loss_fn, params, batch, budget, name=name, **common)
+        else:
+            found = search_preset(_preset(args), budget, micro_batch=args.micro_batch or 1,
+                                  **{**common, "name": f"preset {args.preset}"})
+    except BudgetTooSmall as e:
+        if args.json:
+            _write_json(args.json, e.search.to_json() if e.search is not None else _empty_search(budget, e))
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    print(found)
+    if args.json:
+        _write_json(args.json, found.to_json())
+    if args.plot:
+        print(f"wrote {found.plot(args.plot)}")
+    return 0
+
+
+def _empty_search(budget: int, e: BudgetTooSmall) -> dict[str, Any]:
+    """The JSON of a search that compiled nothing (the arguments alone were over the budget)."""
+    return {"rows": [], "choice": None, "memory_budget_bytes": budget, "floor": None, "compiles": 0,
+            "compile_s": 0.0, "search_s": 0.0, "pruned": [], "stopped": _one_line(e)}
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+    print(f"wrote {pathlib.Path(path).absolute()}")
 
 
 def _plan_user_step(args: argparse.Namespace, strategies: list[str] | None, options: dict[str, Any]) -> Comparison:

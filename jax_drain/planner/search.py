@@ -11,7 +11,8 @@ with the lowest predicted step whose temp + arguments fit ``memory_budget``, as 
 How it searches (each compile takes seconds to minutes, so it compiles few):
 
 1. The floor, ``no_comm`` (the same step without gradient communication): no configuration is
-   predicted faster, so a choice that reaches it ends the search.
+   predicted faster, so a choice that reaches it ends the search. Not compiled when the whole
+   parameters alone exceed the budget: then only ZeRO-3 can fit, whose gathers the floor lacks.
 2. The default strategies (:data:`DEFAULT_CANDIDATES`) at the default bucket count: the choice
    is never slower than any of them that fits.
 3. Around the fastest configuration that fits (or, while none does, the smallest): twice and half
@@ -328,7 +329,8 @@ class Search:
         head = [f"search: the fastest step within {mib(self.memory_budget_bytes)} per device (temp + arguments)"
                 + (f", {self.model}" if self.model else "") + f" on {self.num_devices}x {self.target} ({self.topology})",
                 f"  {self.compiles} compiles, {self.compile_s:.1f} s compiling ({self.search_s:.1f} s in all); "
-                f"{len(self.pruned)} candidates pruned without a compile; stopped: {self.stopped}",
+                f"{len(self.pruned)} candidate{'' if len(self.pruned) == 1 else 's'} pruned without a compile; "
+                f"stopped: {self.stopped}",
                 "  step, exposed: XLA's predicted step time and the communication it leaves exposed (estimates)"]
         cells = [("#", "strategy", "buckets", "bucket size", "temp+args", "step", "exposed", "")]
         order = {id(r): k + 1 for k, r in enumerate(self.rows)}
@@ -407,7 +409,9 @@ class Search:
             ax.annotate(choice.label(), (x, y), textcoords="offset points", xytext=(8, 8), fontsize="small")
         ax.set_xlabel("temp + arguments, MiB per device")
         ax.set_ylabel("predicted step, ms (XLA's estimate)")
-        ax.set_title(f"{self.model + ' ' if self.model else ''}{self.num_devices}x {self.target}", fontsize="small")
+        name = self.model.split(":")[0]
+        ax.set_title(f"{name + ' on ' if name else ''}{self.num_devices}x {self.target}: the fastest step within "
+                     f"{mib(self.memory_budget_bytes)}", fontsize="small")
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -584,8 +588,9 @@ class _Run:
         return min(fitting, key=lambda r: (r.predicted_step_s, r.temp_plus_args_bytes), default=None)
 
     def neighbours(self, c: Candidate, *, toward_less_memory: bool) -> list[Candidate]:
-        """The candidates one step from ``c``; those likely to need less memory first while
-        nothing fits, those likely to be faster first once something does."""
+        """The candidates one step from ``c``: those likely to be faster first; while nothing
+        fits, only the moves that can lower memory (more buckets, ZeRO-3, fewer in flight,
+        resharding, the other modes and layouts)."""
         more, fewer = c.replace(num_buckets=2 * c.num_buckets), c.replace(num_buckets=max(1, c.num_buckets // 2))
         depth = c.max_in_flight
         deeper = [c.replace(max_in_flight=depth + 1)] if depth is not None and depth < MAX_DEPTH else []
@@ -597,10 +602,13 @@ class _Run:
         split = [c.replace(split_leaves=not c.split_leaves)] if self.can_split else []
         blocks = [c.replace(blocks=not c.blocks)] if self.groups is not None else []
         if toward_less_memory:
-            order = [more, *zero3, *modes, *shallower, *reshard, *blocks, *split, fewer, *deeper]
+            zero3 = zero3 if not c.shard_params else []
+            reshard = reshard if not c.reshard_after_forward else []
+            shallower = [n for n in shallower if n.max_in_flight is not None]  # undrained keeps every bucket
+            order = [more, *zero3, *modes, *shallower, *reshard, *blocks, *split]
         else:
             order = [fewer, more, *deeper, *shallower, *modes, *reshard, *zero3, *blocks, *split]
-        return [n for n in order if n != c and n.num_buckets >= 1]
+        return [n for n in order if n != c]
 
     def step(self) -> str | None:
         """Compiles the next candidate; why the search ends, or ``None`` to go on."""
@@ -608,22 +616,22 @@ class _Run:
         floor_s = None if self.floor is None else self.floor.predicted_step_s
         if best is not None and floor_s is not None and best.predicted_step_s <= floor_s:
             return "the choice is as fast as the step without gradient communication (no_comm)"
-        if best is not None:
-            starts = [best]
-        else:  # nothing fits yet: walk down from the smallest
-            starts = sorted((r for r in self.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes)
-        for start in starts:
-            for n in self.neighbours(start.candidate, toward_less_memory=best is None):
-                if self.was_seen(n):
-                    continue
-                if self.compiles >= self.max_compiles:
-                    return f"max_compiles ({self.max_compiles}) reached"
-                built = self.admit(n)
-                if built is not None:
-                    self.evaluate(n, built)
-                    return None
+        # Nothing fits yet: walk down from the smallest configuration compiled.
+        start = best or min((r for r in self.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes,
+                            default=None)
+        if start is None:
+            return "nothing compiled to start from"
+        for n in self.neighbours(start.candidate, toward_less_memory=best is None):
+            if self.was_seen(n):
+                continue
+            if self.compiles >= self.max_compiles:
+                return f"max_compiles ({self.max_compiles}) reached"
+            built = self.admit(n)
+            if built is not None:
+                self.evaluate(n, built)
+                return None
         if best is None:
-            return "no neighbour of any configuration compiled is left to try"
+            return "no move from the smallest configuration compiled lowers its memory further"
         return "no neighbour of the choice is left to try (a local optimum)"
 
 
@@ -714,7 +722,10 @@ def search_model(
             f"(ZeRO-3's parameter shards and this device's batch); give a budget of at least "
             f"{math.ceil(least / 2**20) + 1} MiB, a smaller batch or more devices", None, least)
 
-    run.compile_floor()
+    if run.args_bound[False] <= budget:
+        # Otherwise only ZeRO-3 can fit, whose forward gathers are work the floor does not do:
+        # the floor would cost a compile and never end the search.
+        run.compile_floor()
     stopped = None
     for default in DEFAULT_CANDIDATES:
         if run.compiles >= max_compiles:
