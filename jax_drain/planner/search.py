@@ -15,17 +15,20 @@ How it searches (each compile takes seconds to minutes, so it compiles few):
    parameters alone exceed the budget: then only ZeRO-3 can fit, whose gathers the floor lacks.
 2. The default strategies (:data:`DEFAULT_CANDIDATES`) at the default bucket count: the choice
    is never slower than any of them that fits.
-3. Around the fastest configuration that fits (or, while none does, the smallest): twice and half
-   the buckets, one bucket more or less in flight, the other reduce modes, split leaves, buckets
-   that follow the remat blocks, the ZeRO stage and, with ZeRO-3, ``reshard_after_forward``; one
-   compile at a time, until no neighbour of the choice is left or ``max_compiles`` is spent.
+3. Around the fastest configuration that fits (the first found at that time; while none fits,
+   the smallest): twice and half the buckets, one bucket more or less in flight, the other
+   reduce modes, split leaves, buckets that follow the remat blocks, the ZeRO stage and, with
+   ZeRO-3, ``reshard_after_forward``; one compile at a time, until no neighbour is left or
+   ``max_compiles`` is spent. The choice is the fastest that fits (on a tie, the smaller).
 
 A candidate is skipped without a compile when what is known shows it cannot fit or cannot be
 faster (:attr:`Search.pruned` says which and why): its arguments alone exceed the budget (the
 parameters, whole or as ZeRO-3 shards, and this device's batch); a compiled configuration that
 keeps at most as much alive (the same layout with fewer buckets in flight or smaller buckets, or
-resharding) is already over the budget; or the same work, compiled at another bucket count or
-depth, already costs as much compute alone as the choice's whole step.
+resharding) is already over the budget; it lays out the very buckets of one already seen; or
+the same work, compiled at another bucket count or depth, already costs as much compute alone
+(within 2%) as the choice's whole step. The second and last are rules of thumb: XLA's heap
+packing and pricing need not be monotone.
 
 Example::
 
@@ -616,9 +619,13 @@ class _Run:
         floor_s = None if self.floor is None else self.floor.predicted_step_s
         if best is not None and floor_s is not None and best.predicted_step_s <= floor_s:
             return "the choice is as fast as the step without gradient communication (no_comm)"
-        # Nothing fits yet: walk down from the smallest configuration compiled.
-        start = best or min((r for r in self.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes,
-                            default=None)
+        if best is not None:
+            # From the first row compiled at the best time: a tie that needs less memory becomes
+            # the choice, but walking on from it costs compiles for no faster step.
+            start = next(r for r in self.rows if r.fits and r.predicted_step_s == best.predicted_step_s)
+        else:  # nothing fits yet: walk down from the smallest configuration compiled
+            start = min((r for r in self.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes,
+                        default=None)
         if start is None:
             return "nothing compiled to start from"
         for n in self.neighbours(start.candidate, toward_less_memory=best is None):
