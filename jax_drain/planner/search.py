@@ -504,6 +504,9 @@ class _Run:
                           compiler_options=options or None, scope=SCOPE_PREFIX, strategy=built.strategy.name,
                           num_buckets=total_buckets(built.sync), bucket_size=built.bucket_size,
                           notes=(f"XLA options {options}",) if options else ())
+        except PlanError as e:
+            self.shown.failed(f"failed: {' '.join(str(e).split())[:120]}")
+            raise
         except BaseException:
             self.shown.failed()
             raise
@@ -528,7 +531,7 @@ class _Run:
             return None
         size = self.bucket_size(c)
         self.seen.add((c.layout, size))
-        why = self.why_pruned(c, size)
+        why = self.why_pruned(c, size, exact_only=default)
         if why is None:
             try:
                 built = self.build(Strategy.parse(c.strategy), size)
@@ -553,9 +556,7 @@ class _Run:
         try:
             report = self.compile(built, c.compiler_options())
         except PlanError as e:
-            error = " ".join(str(e).split())
-            self.shown.failed(f"failed: {error[:120]}")
-            row = SearchRow(c, built.bucket_size, fields, default=default, error=error)
+            row = SearchRow(c, built.bucket_size, fields, default=default, error=" ".join(str(e).split()))
         else:
             total = report.temp_bytes + report.argument_bytes
             row = SearchRow(c, built.bucket_size, fields, report, default, fits=total <= self.budget)
@@ -564,13 +565,16 @@ class _Run:
         self.rows.append(row)
         return row
 
-    def why_pruned(self, c: Candidate, size: int) -> str | None:
+    def why_pruned(self, c: Candidate, size: int, *, exact_only: bool = False) -> str | None:
         """Why ``c`` cannot fit or cannot be faster than the choice so far, from what is known;
-        ``None`` when only a compile can tell."""
+        ``None`` when only a compile can tell. ``exact_only`` (the defaults, which the choice
+        must match): the arguments' bound alone, no rule of thumb."""
         args = self.args_bound[c.shard_params]
         if args > self.budget:
             what = "the parameter shards" if c.shard_params else "the whole parameters"
             return f"its arguments alone ({what} and this device's batch) need {mib(args)}"
+        if exact_only:
+            return None
         for r in self.rows:
             if r.plan is not None and not r.fits and _keeps_at_least(c, size, r):
                 return f"it keeps at least as much alive as {r.label()}, which needs {mib(r.temp_plus_args_bytes)}"
