@@ -19,7 +19,8 @@ How it searches (each compile takes seconds to minutes, so it compiles few):
    the smallest): twice and half the buckets, one bucket more or less in flight, the other
    reduce modes, split leaves, buckets that follow the remat blocks, the ZeRO stage and, with
    ZeRO-3, ``reshard_after_forward``; one compile at a time, until no neighbour is left or
-   ``max_compiles`` is spent. The choice is the fastest that fits (on a tie, the smaller).
+   ``max_compiles`` is spent. The choice is the fastest that fits; of configurations within
+   0.1% of it (XLA's pricing noise) and no slower than a fitting default, the smallest.
 
 A candidate is skipped without a compile when what is known shows it cannot fit or cannot be
 faster (:attr:`Search.pruned` says which and why): its arguments alone exceed the budget (the
@@ -85,6 +86,21 @@ MAX_DEPTH = 3
 # 53.2 ms at 12 buckets, 52.7 at 49); a bound from another count keeps this margin.
 _COMPUTE_MARGIN = 0.02
 _OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+# XLA prices each small op at ~0.01 us, so two layouts of one step differ by a few us of noise
+# (plan_my_model: 15.6223 against 15.6248 ms); within this fraction they are one time.
+_SAME_TIME = 1e-3
+
+
+def _choose(rows: Sequence["SearchRow"]) -> "SearchRow | None":
+    """The fitting row with the lowest predicted step; of those within :data:`_SAME_TIME` of it
+    (and no slower than a fitting default), the one that needs the least memory."""
+    fitting = [r for r in rows if r.fits and r.predicted_step_s is not None]
+    if not fitting:
+        return None
+    bound = min(r.predicted_step_s for r in fitting) * (1 + _SAME_TIME)
+    bound = min([bound] + [r.predicted_step_s for r in fitting if r.default])
+    near = [r for r in fitting if r.predicted_step_s <= bound]
+    return min(near, key=lambda r: (r.temp_plus_args_bytes, r.predicted_step_s))
 
 
 class BudgetTooSmall(PlanError):
@@ -272,10 +288,9 @@ class Search:
 
     @property
     def choice(self) -> SearchRow | None:
-        """The fitting row with the lowest predicted step (the smaller on a tie); ``None``
-        when none fits."""
-        fitting = [r for r in self.rows if r.fits and r.predicted_step_s is not None]
-        return min(fitting, key=lambda r: (r.predicted_step_s, r.temp_plus_args_bytes), default=None)
+        """The fitting row with the lowest predicted step (of those within 0.1% of it and no
+        slower than any fitting default, the smallest); ``None`` when none fits."""
+        return _choose(self.rows)
 
     def defaults(self) -> list[SearchRow]:
         """The default strategies' rows (:data:`DEFAULT_CANDIDATES`) that compiled."""
@@ -591,8 +606,7 @@ class _Run:
     # -- the walk ----------------------------------------------------------------------------
 
     def best(self) -> SearchRow | None:
-        fitting = [r for r in self.rows if r.fits and r.predicted_step_s is not None]
-        return min(fitting, key=lambda r: (r.predicted_step_s, r.temp_plus_args_bytes), default=None)
+        return _choose(self.rows)
 
     def neighbours(self, c: Candidate, *, toward_less_memory: bool) -> list[Candidate]:
         """The candidates one step from ``c``: those likely to be faster first; while nothing
@@ -626,7 +640,9 @@ class _Run:
         if best is not None:
             # From the first row compiled at the best time: a tie that needs less memory becomes
             # the choice, but walking on from it costs compiles for no faster step.
-            start = next(r for r in self.rows if r.fits and r.predicted_step_s == best.predicted_step_s)
+            fastest = min(r.predicted_step_s for r in self.rows if r.fits and r.predicted_step_s is not None)
+            start = next(r for r in self.rows if r.fits and r.predicted_step_s is not None
+                         and r.predicted_step_s <= fastest * (1 + _SAME_TIME))
         else:  # nothing fits yet: walk down from the smallest configuration compiled
             start = min((r for r in self.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes,
                         default=None)
