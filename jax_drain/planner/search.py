@@ -23,7 +23,7 @@ How it searches (each compile takes seconds to minutes, so it compiles few):
    0.1% of it (XLA's pricing noise) and no slower than a fitting default, the smallest.
 
 A candidate is skipped without a compile when what is known shows it cannot fit or cannot be
-faster (:attr:`Search.pruned` says which and why): its arguments alone exceed the budget (the
+faster (``Search.pruned`` says which and why): its arguments alone exceed the budget (the
 parameters, whole or as ZeRO-3 shards, and this device's batch); a compiled configuration that
 keeps at most as much alive (the same layout with fewer buckets in flight or smaller buckets, or
 resharding) is already over the budget; it lays out the very buckets of one already seen; or
