@@ -150,8 +150,8 @@ class Candidate:
 
         Example::
 
-            >>> Candidate.of("zero3+drain", 24)
-            Candidate(reduce='fp32_accum', max_in_flight=1, split_leaves=False, blocks=False, shard_params=True, reshard_after_forward=True, num_buckets=24)
+            >>> Candidate.of("zero3+drain", 24).shard_params
+            True
         """
         s = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
         if s.is_baseline:
@@ -161,7 +161,8 @@ class Candidate:
     @property
     def strategy(self) -> str:
         """The planner's strategy name (:class:`Strategy`)."""
-        depth = "" if self.max_in_flight is None else "+drain" + (str(self.max_in_flight) if self.max_in_flight > 1 else "")
+        k = self.max_in_flight
+        depth = "" if k is None else "+drain" + (str(k) if k > 1 else "")
         return (self.reduce + depth + ("+split" if self.split_leaves else "") + ("+zero3" if self.shard_params else "")
                 + ("+blocks" if self.blocks else "") + ("" if self.reshard_after_forward else "+noreshard"))
 
@@ -344,8 +345,9 @@ class Search:
         compiled; ``frontier``: on the time-memory frontier), the floor, then the choice against
         the fastest default strategy that fits."""
         choice, front = self.choice, {id(r) for r in self.frontier()}
+        where = f" on {self.num_devices}x {self.target} ({self.topology})"
         head = [f"search: the fastest step within {mib(self.memory_budget_bytes)} per device (temp + arguments)"
-                + (f", {self.model}" if self.model else "") + f" on {self.num_devices}x {self.target} ({self.topology})",
+                + (f", {self.model}" if self.model else "") + where,
                 f"  {self.compiles} compiles, {self.compile_s:.1f} s compiling ({self.search_s:.1f} s in all); "
                 f"{len(self.pruned)} candidate{'' if len(self.pruned) == 1 else 's'} pruned without a compile; "
                 f"stopped: {self.stopped}",
