@@ -72,6 +72,19 @@ def _has_models(path: pathlib.Path) -> bool:
     return all((path / f).is_file() for f in FILES)
 
 
+def _files_at_head(git_dir: pathlib.Path, files, out: pathlib.Path, given: str) -> pathlib.Path:
+    """``files`` as they are at ``git_dir``'s HEAD (a bare mirror or a clone), written under ``out``."""
+    try:
+        for f in files:
+            text = subprocess.run(["git", "-C", str(git_dir), "show", f"HEAD:{f}"], check=True, capture_output=True,
+                                  text=True).stdout
+            (out / f).parent.mkdir(parents=True, exist_ok=True)
+            (out / f).write_text(text)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.fail(f"{given} holds neither {list(files)} nor a git history with them: {e}")
+    return out
+
+
 @pytest.fixture(scope="module")
 def flax_source(tmp_path_factory) -> str:
     """A directory holding the models' files, or a skip naming ``JAX_DRAIN_FLAX_EXAMPLES``."""
@@ -80,16 +93,7 @@ def flax_source(tmp_path_factory) -> str:
         path = pathlib.Path(given)
         if _has_models(path):
             return str(path)
-        out = tmp_path_factory.mktemp("flax")
-        try:  # a git directory: the files at its HEAD
-            for f in FILES:
-                text = subprocess.run(["git", "-C", str(path), "show", f"HEAD:{f}"], check=True, capture_output=True,
-                                      text=True).stdout
-                (out / f).parent.mkdir(parents=True, exist_ok=True)
-                (out / f).write_text(text)
-        except (OSError, subprocess.CalledProcessError) as e:
-            pytest.fail(f"{ENV}={given} holds neither {FILES} nor a git history with them: {e}")
-        return str(out)
+        return str(_files_at_head(path, FILES, tmp_path_factory.mktemp("flax"), f"{ENV}={given}"))
     import flax
 
     beside = pathlib.Path(flax.__file__).resolve().parent.parent  # an editable install from a checkout
@@ -273,16 +277,7 @@ def easylm_source(tmp_path_factory) -> str:
                     "(git clone https://github.com/young-geng/EasyLM) to run its LLaMA")
     path = pathlib.Path(given)
     if not all((path / f).is_file() for f in EASYLM_FILES):
-        out = tmp_path_factory.mktemp("easylm")
-        try:  # a git directory: the files at its HEAD
-            for f in EASYLM_FILES:
-                text = subprocess.run(["git", "-C", str(path), "show", f"HEAD:{f}"], check=True, capture_output=True,
-                                      text=True).stdout
-                (out / f).parent.mkdir(parents=True, exist_ok=True)
-                (out / f).write_text(text)
-        except (OSError, subprocess.CalledProcessError) as e:
-            pytest.fail(f"{EASYLM_ENV}={given} holds neither {EASYLM_FILES} nor a git history with them: {e}")
-        path = out
+        path = _files_at_head(path, EASYLM_FILES, tmp_path_factory.mktemp("easylm"), f"{EASYLM_ENV}={given}")
     try:
         _example("public_model_llama").load_easylm(path)
     except ImportError as e:
