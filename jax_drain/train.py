@@ -1412,12 +1412,12 @@ class _AxisContext:
         self.mesh_axes, self.data_axes = tuple(mesh.axis_names), data_axes
         self.auto_axes = tuple(dict.fromkeys(auto_axes))
         self.rules = rules
+        self.constraint_in_step = functools.partial(without_manual_axes, data_axes=data_axes)
 
     def call(self, loss_fn: Callable[[Any, PyTree], Any], model: Any, batch: PyTree) -> Any:
-        constraints = functools.partial(without_manual_axes, data_axes=self.data_axes)
         rules = nn.logical_axis_rules(self.rules) if self.rules is not None else contextlib.nullcontext()
         try:
-            with _compat.rewritten_constraints(constraints), rules:
+            with _compat.rewritten_constraints(self.constraint_in_step), rules:
                 return loss_fn(model, batch)
         except (AssertionError, NameError) as e:
             auto = [a for a in self.collective_axes(e) if a in self.auto_axes]
