@@ -329,6 +329,27 @@ def test_activation_constraints_over_the_data_axes_keep_their_model_axes(way, cp
         _train_and_compare(step, None, params, gspmd_loss, batches, way)
 
 
+def test_activation_constraints_keep_their_model_axes_with_an_outer_axis_and_micro_batches(cpu_devices):
+    """HSDP (``outer_axis="replica"``) and 2 micro-batches: the batch is split over both data axes
+    and then into micro-batches, so each hidden block is (2, 16); a constraint over
+    ``("replica", "data")`` keeps only its model axis there, and the step trains like optax."""
+    kind = "replica_data_model"
+    mesh = _mesh(kind, cpu_devices)
+    _, _, options = MESHES[kind]
+    params, batches = _params(np.random.default_rng(0)), _batches(1, STEPS)
+    loss = _constrained_loss(lambda h: jax.lax.with_sharding_constraint(h, P(("replica", "data"), "model")))
+    step = jd.make_train_step(_placed(params, mesh), loss, _tx(), mesh,
+                              jd.TrainConfig(axis="data", bucket_size=60, **options), example_batch=batches[0])
+    rows = BATCH // (mesh.shape["replica"] * mesh.shape["data"] * options["microbatches"])
+    program = step.lower(step.abstract_state(), batches[0]).as_text()
+    constraints = [line for line in program.splitlines() if "sdy.sharding_constraint" in line
+                   and f"tensor<{rows}x{H}xf32>" in line and "[{?}, {?}]" not in line]
+    assert constraints, f"no constraint on the ({rows}, {H}) hidden blocks"
+    for line in constraints:
+        assert re.search(r'<@\w+, \[\{\}, \{"model"\}\]> : tensor<' + f"{rows}x{H}" + r"xf32>", line), line
+    _train_and_compare(step, None, params, gspmd_loss, batches, kind)
+
+
 def test_a_constraint_that_splits_a_dimension_over_a_data_axis_is_refused(cpu_devices):
     """A data axis on a dimension other than the batch's asks for a layout the step cannot give:
     refused, naming the constraint, the axis and what to write."""
