@@ -855,6 +855,11 @@ class TrainStep:
 
     def _find_stacked(self, global_micro: PyTree) -> PyTree | None:
         """The stacked-leaf mask for a ScanGradSync, or ``None`` for a GradSync (config.scan_layers)."""
+        if jax.sharding.get_abstract_mesh().empty:
+            # The loss is traced outside shard_map here: under the step's mesh, which the model's
+            # activation constraints are written against (a bare PartitionSpec needs a context mesh).
+            with jax.set_mesh(self.mesh):
+                return self._find_stacked(global_micro)
         wanted = self.config.scan_layers
         if wanted is False:
             return None

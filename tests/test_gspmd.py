@@ -820,6 +820,36 @@ def test_scanned_stack_reduces_each_layer_inside_the_backward_scan_on_local_bloc
     _assert_model_blocks(state.params, SCAN_SPECS, mesh, "params")
 
 
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
+def test_scanned_stack_keeps_the_model_axis_of_its_activation_constraints(shard_params, cpu_devices):
+    """A constraint over ("data", "model") inside the scanned block (the per-layer sync's scan,
+    ZeRO-1 and ZeRO-3) keeps its model axis on each device's (4, 16) block, and trains like optax."""
+    def loss(p, batch):
+        def block(h, q):
+            hidden = jax.nn.gelu((h * q["norm"]) @ q["w_in"] + q["b_in"])
+            hidden = jax.lax.with_sharding_constraint(hidden, P("data", "model"))
+            return h + jnp.tanh(hidden @ q["w_out"] + q["b_out"]), None
+
+        h, _ = jax.lax.scan(block, batch["x"], p["blocks"])
+        return jnp.mean(jnp.sum((h @ p["head"] - batch["y"]) ** 2, axis=-1))
+
+    mesh = _mesh("data_model", cpu_devices)
+    params, batches = _scan_params(np.random.default_rng(0)), _batches(1, STEPS)
+    step = jd.make_train_step(_placed(params, mesh, SCAN_SPECS), loss, _tx(), mesh,
+                              jd.TrainConfig(axis="data", bucket_size=40, scan_layers=None, shard_params=shard_params),
+                              example_batch=batches[0])
+    assert step.scan_layers and isinstance(step.sync, jd.ScanGradSync)
+    program = step.lower(step.abstract_state(), batches[0]).as_text()
+    constraints = [line for line in program.splitlines() if "sdy.sharding_constraint" in line
+                   and "tensor<4x16xf32>" in line and "[{?}, {?}]" not in line]
+    assert constraints, "no constraint on the (4, 16) hidden blocks"
+    for line in constraints:
+        assert re.search(r'<@\w+, \[\{\}, \{"model"\}\]> : tensor<4x16xf32>', line), line
+    to_tree = (lambda p: _shards_to_tree(step, p)) if shard_params else (lambda p: p)
+    _train_and_compare(step, None, _scan_params(np.random.default_rng(0)), scanned_gspmd_loss, batches,
+                       f"scanned {'zero3' if shard_params else 'zero1'}", to_tree=to_tree)
+
+
 def test_scanned_stack_with_shard_params_gathers_and_reduces_each_layer_in_the_scan(cpu_devices):
     """ZeRO-3 on a GSPMD scanned stack (found by scan detection): each layer bucket is gathered
     from its row and reduce-scattered inside the scan bodies, in the nested region manual over
