@@ -13,8 +13,19 @@ batch (split over a ``("data",)`` mesh; the ``jit`` step keeps its params replic
 
 On compile-only 8xH100 devices (``jax_drain.plan.gpu_mesh``): the same train step (gradient
 and AdamW update) of a Llama-3-8B-shaped model, timed from building it to
-``.lower(...).compile()`` done, for jax_drain and for ``jax.jit`` with replicated params
-(``jit``) or params annotated FSDP-style (``jit_fsdp``).
+``.lower(...).compile()`` done.
+
+Each jax_drain variant is compared with a plain ``jax.jit`` optax step that has the same
+shardings (:data:`BASELINE_OF`):
+
+* ``jd`` (``TrainConfig()``, ZeRO-1) against ``jit``, params replicated over ``("data",)``;
+* ``jd_zero3`` (``shard_params=True``) against ``jit_fsdp``, every leaf sharded FSDP-style
+  (``jax_drain.planner.plan.fsdp_spec``, the planner's ``gspmd_fsdp`` rule);
+* ``jd_gspmd`` (``tensor_parallel="gspmd"`` with Megatron's split of the blocks' matrices as
+  ``param_specs``) against ``jit_tp``, the same specs on a ``("data", "model")`` = 4x2 mesh.
+
+The ``jit``/``jd`` pair trains the ``nnx.Module`` on CPU; the others its params pytree
+(``jax_drain.models.make_loss``), both members of a pair alike.
 
 ``--baseline-tree DIR`` adds a ``jd@<label>`` variant that imports jax_drain from another
 checkout (e.g. ``git archive HEAD~3 jax_drain | tar -x -C /tmp/before``), so that before and
@@ -54,6 +65,12 @@ GPU_LAYERS = 32
 
 BUCKET_SIZE = 1_000_000  # CPU models: about 8 buckets for gpt-8m
 
+#: Each jax_drain variant's baseline: plain ``jax.jit`` with the same parameter shardings.
+BASELINE_OF = {"jd": "jit", "jd_zero3": "jit_fsdp", "jd_gspmd": "jit_tp"}
+VARIANTS = ("jit", "jd", "jit_fsdp", "jd_zero3", "jit_tp", "jd_gspmd")
+#: The tensor-parallel pair's mesh; the others are data parallel over all 8 devices.
+TP_MESH = ((4, 2), ("data", "model"))
+
 NOTES = """\
 Columns. CPU: *build* is `make_train_step(..., example_batch=...)` + `init()` for jax_drain, and
 for `jit` splitting the model, placing the params and a jitted `tx.init`; *first step* is the
@@ -62,6 +79,14 @@ the next steps; *build + first - steady* what starting costs beyond one step, th
 that holds when the two steps run at different speeds. GPU: *build* is `make_train_step`
 (or `jax.jit`), *lower* `abstract_state()` + `.lower(...)`, *compile* `.compile()` for 8
 compile-only H100s. `jd@<commit>` is jax_drain before the changes, run side by side.
+
+Pairs: each jax_drain variant against a plain `jax.jit` optax step with the same shardings.
+`jd` (ZeRO-1, `TrainConfig()`) against `jit`, params replicated over 8 devices; `jd_zero3`
+(`shard_params=True`) against `jit_fsdp`, every parameter and optimizer leaf sharded along its
+smallest dimension that 8 divides (the planner's `gspmd_fsdp` rule); `jd_gspmd`
+(`tensor_parallel="gspmd"`, Megatron's split of the blocks' matrices as `param_specs`) against
+`jit_tp`, the same specs on a 4x2 `("data", "model")` mesh. The `jit`/`jd` pair trains the
+`nnx.Module`, the others its params pytree (`jax_drain.models.make_loss`).
 
 XLA:CPU runs the `jit` step's gradient all-reduces (one per parameter, 71 for gpt-8m) as
 rendezvous of the 8 virtual devices' threads: on 2 cores that step is several times slower than
@@ -75,6 +100,76 @@ LEARNING_RATE = 1e-3
 
 
 # -- workers: one measurement in this process ----------------------------------------------------
+
+
+def _tensor_parallel_spec(path: str):
+    """Megatron's split of a GPT block over ``"model"``: ``qkv`` and ``fc_in`` by columns, the
+    attention's ``out`` and ``fc_out`` by rows; embeddings and norms replicated. ``path`` is a
+    leaf's ``/``-joined key path, a parameter's or its optimizer state's."""
+    from jax.sharding import PartitionSpec as P
+
+    if path.endswith(("attn/qkv/kernel", "mlp/fc_in/kernel")):
+        return P(None, "model")
+    if path.endswith(("attn/out/kernel", "mlp/fc_out/kernel")):
+        return P("model", None)
+    return P()
+
+
+def _mesh_of(variant: str, make_mesh):
+    return make_mesh(*TP_MESH) if variant in ("jit_tp", "jd_gspmd") else make_mesh((8,), ("data",))
+
+
+def _shardings(variant: str, tree: Any, mesh: Any) -> Any:
+    """The ``NamedSharding`` of each leaf of ``tree`` (params or optimizer state) for a ``jit``
+    variant: replicated (``jit``), FSDP-style (``jit_fsdp``) or tensor parallel (``jit_tp``)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_drain.planner.plan import fsdp_spec
+
+    def spec(path, leaf):
+        if variant == "jit_fsdp":
+            return fsdp_spec(leaf.shape, mesh.shape["data"])
+        if variant == "jit_tp":
+            return _tensor_parallel_spec(jax.tree_util.keystr(path, simple=True, separator="/"))
+        return P()
+
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, spec(path, leaf)), tree)
+
+
+def _jit_step(variant: str, loss_fn: Any, tx: Any, params: Any, mesh: Any) -> tuple[Any, Any, Any]:
+    """A plain ``jax.jit`` optax step with ``variant``'s shardings: the jitted step and the
+    shardings of the params and of the optimizer state."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    param_shardings = _shardings(variant, params, mesh)
+    opt_shardings = _shardings(variant, jax.eval_shape(tx.init, params), mesh)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P("data"))),
+                     out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
+                     donate_argnums=(0, 1))
+    return jitted, param_shardings, opt_shardings
+
+
+def _jd_config(variant: str, params: Any, **fields: Any):
+    import jax
+
+    import jax_drain as jd
+
+    if variant == "jd_zero3":
+        return jd.TrainConfig(shard_params=True, **fields)
+    if variant == "jd_gspmd":
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: _tensor_parallel_spec(jax.tree_util.keystr(path, simple=True, separator="/")), params)
+        return jd.TrainConfig(tensor_parallel="gspmd", param_specs=specs, **fields)
+    return jd.TrainConfig(**fields)
 
 
 def _gpt_config(fields: dict[str, Any], dtype: str):
@@ -91,42 +186,38 @@ def cpu_worker(variant: str, model_name: str, steps: int) -> dict[str, Any]:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_drain.models import GPT
+    from jax_drain import models
 
     fields, batch_size = CPU_MODELS[model_name]
     config = _gpt_config(fields, "float32")
-    model = GPT(config, rngs=nnx.Rngs(0))
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    model = models.GPT(config, rngs=nnx.Rngs(0))
+    mesh = _mesh_of(variant, jax.make_mesh)
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, config.vocab_size, (batch_size, config.seq_len + 1)).astype(np.int32)}
                for _ in range(4)]
-    loss_fn = lambda m, b: m.loss(b)  # noqa: E731
     tx = optax.adamw(LEARNING_RATE)
+    # The jit/jd pair trains the nnx model; the other pairs its params pytree, the same weights.
+    nnx_model = variant in ("jit", "jd")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if nnx_model:
+        loss_fn = lambda p, b: nnx.merge(graphdef, p, rest).loss(b)  # noqa: E731
+    else:
+        params, loss_fn = nnx.to_pure_dict(params), models.make_loss(config)
 
     start = time.perf_counter()
-    if variant == "jit":
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        replicated = NamedSharding(mesh, P())
-        params = jax.device_put(params, replicated)
-        opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
-
-        def train_step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        jitted = jax.jit(train_step, in_shardings=(replicated, replicated, NamedSharding(mesh, P("data"))),
-                         out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
-        state = (params, opt_state)
+    if variant.startswith("jit"):
+        jitted, param_shardings, opt_shardings = _jit_step(variant, loss_fn, tx, params, mesh)
+        params = jax.device_put(params, param_shardings)
+        state = (params, jax.jit(tx.init, out_shardings=opt_shardings)(params))
         jax.block_until_ready(state)
 
         def run(state, batch):
             params, opt_state, loss = jitted(*state, batch)
             return (params, opt_state), loss
     else:
-        step = jd.make_train_step(model, loss_fn, tx, mesh, jd.TrainConfig(bucket_size=BUCKET_SIZE),
+        step = jd.make_train_step(model if nnx_model else params, (lambda m, b: m.loss(b)) if nnx_model else loss_fn,
+                                  tx, mesh, _jd_config(variant, params, bucket_size=BUCKET_SIZE),
                                   example_batch=batches[0])
         state = step.init()
         jax.block_until_ready(state)
@@ -155,15 +246,14 @@ def cpu_worker(variant: str, model_name: str, steps: int) -> dict[str, Any]:
 def gpu_worker(variant: str, layers: int, micro_batch: int) -> dict[str, Any]:
     import jax_drain as jd
     import jax
+
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jax_drain import models
     from jax_drain.plan import gpu_mesh
-    from jax_drain.planner.plan import fsdp_spec
 
     config = _gpt_config({**GPU_MODEL, "num_layers": layers}, "bfloat16")
-    mesh = gpu_mesh((8,), ("data",))
+    mesh = _mesh_of(variant, gpu_mesh)
     params = models.abstract_params(config)
     batch = models.example_batch(config, micro_batch * 8)
     loss_fn = models.make_loss(config)
@@ -171,25 +261,11 @@ def gpu_worker(variant: str, layers: int, micro_batch: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     if variant.startswith("jit"):
-        opt_state = jax.eval_shape(tx.init, params)
-        # jit: everything replicated; jit_fsdp: every leaf (params, Adam moments) sharded along
-        # its smallest dimension that 8 divides, the planner's gspmd_fsdp rule.
-        spec = (lambda x: fsdp_spec(x.shape, 8)) if variant == "jit_fsdp" else (lambda x: P())
-        param_shardings, opt_shardings = (jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
-                                          for tree in (params, opt_state))
-
-        def train_step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        jitted = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P("data"))),
-                         out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
-                         donate_argnums=(0, 1))
+        jitted, _, _ = _jit_step(variant, loss_fn, tx, params, mesh)
         built = time.perf_counter()
-        lowered = jitted.lower(params, opt_state, batch)
+        lowered = jitted.lower(params, jax.eval_shape(tx.init, params), batch)
     else:
-        step = jd.make_train_step(params, loss_fn, tx, mesh, jd.TrainConfig(), example_batch=batch)
+        step = jd.make_train_step(params, loss_fn, tx, mesh, _jd_config(variant, params), example_batch=batch)
         built = time.perf_counter()
         lowered = step.lower(step.abstract_state(), batch)
     lowered_at = time.perf_counter()
@@ -207,7 +283,7 @@ def gpu_worker(variant: str, layers: int, micro_batch: int) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class Job:
     kind: str  # "cpu" or "gpu"
-    variant: str  # "jit", "jit_fsdp", "jd", "jd@<commit>"
+    variant: str  # one of VARIANTS, or "jd@<commit>"
     setting: str  # CPU model name or "8B-like/<layers>L"
     args: tuple[str, ...]
     tree: str | None = None  # another jax_drain checkout to import from
@@ -225,7 +301,7 @@ def run_job(job: Job, timeout: float) -> dict[str, Any]:
     env = dict(os.environ)
     if job.tree is not None:  # its jax_drain first on the path
         env["PYTHONPATH"] = os.pathsep.join([job.tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    variant = "jd" if job.variant.startswith("jd") else job.variant
+    variant = job.variant.split("@")[0]  # jd@<label>: the jd worker, imported from its tree
     cmd = [sys.executable, __file__, "--worker", job.kind, "--variant", variant, *job.args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -239,7 +315,8 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def summarize(results: dict[Job, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per (setting, variant): medians over the repeats, ratios to ``jit``."""
+    """One row per (setting, variant): medians over the repeats; a jax_drain variant's ratios
+    (``*_vs_jit``) to its baseline in :data:`BASELINE_OF`, the ``jit`` step with its shardings."""
     rows = []
     for job, runs in results.items():
         row: dict[str, Any] = {"kind": job.kind, "setting": job.setting, "variant": job.variant,
@@ -259,7 +336,8 @@ def summarize(results: dict[Job, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row["runs"] = runs
         rows.append(row)
     for row in rows:
-        base = next((r for r in rows if r["setting"] == row["setting"] and r["variant"] == "jit"), None)
+        row["baseline"] = BASELINE_OF.get(row["variant"].split("@")[0])
+        base = next((r for r in rows if r["setting"] == row["setting"] and r["variant"] == row["baseline"]), None)
         if base is None:
             continue
         for key in ("build_s", "first_s", "steady_s", "to_first_s", "one_off_s", "compile_s", "total_s"):
@@ -273,11 +351,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     cpu = [r for r in rows if r["kind"] == "cpu"]
     if cpu:
         out += ["8 virtual CPU devices (data parallel), nnx GPT, optax.adamw; seconds, median of "
-                f"{cpu[0]['repeats']} fresh processes; ratio to jit in brackets", "",
+                f"{cpu[0]['repeats']} fresh processes; in brackets, ratio to the jit step with the same shardings", "",
                 "| model | params | variant | build | first step | build + first step | steady step | build + first - steady |",
                 "|---|---:|---|---:|---:|---:|---:|---:|"]
         for r in cpu:
-            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r and r["variant"] != "jit" else ""  # noqa: E731
+            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r else ""  # noqa: E731
             out.append(f"| {r['setting']} | {r['params'] / 1e6:.2f}M | {r['variant']} | {r['build_s']:.2f}"
                        f"{ratio('build_vs_jit')} | {r['first_s']:.2f}{ratio('first_vs_jit')} | "
                        f"{r['to_first_s']:.2f}{ratio('to_first_vs_jit')} | {r['steady_s']:.2f}"
@@ -285,14 +363,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     gpu = [r for r in rows if r["kind"] == "gpu"]
     if gpu:
         out += ["", "Compile-only 8xH100 (XLA's GPU compiler on 2 CPU cores), gradient + AdamW step; seconds; "
-                "ratio to jit in brackets", "",
+                "in brackets, ratio to the jit step with the same shardings", "",
                 "| model | params | variant | build | lower | compile | total |", "|---|---:|---|---:|---:|---:|---:|"]
         for r in gpu:
-            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r and r["variant"] != "jit" else ""  # noqa: E731
+            ratio = lambda k: f" ({r[k]:.2f}x)" if k in r else ""  # noqa: E731
             out.append(f"| {r['setting']} | {r['params'] / 1e9:.2f}B | {r['variant']} | {r['build_s']:.2f} | "
                        f"{r['lower_s']:.2f} | {r['compile_s']:.1f}{ratio('compile_vs_jit')} | "
                        f"{r['total_s']:.1f}{ratio('total_vs_jit')} |")
     return "\n".join(out)
+
+
+def _variants(names: str) -> list[str]:
+    chosen = [n for n in names.split(",") if n]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"first_step.py: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per CPU measurement")
     p.add_argument("--gpu-layers", default=str(GPU_LAYERS),
                    help="layers of the 8B-shaped model for the GPU compile, comma-separated (0 skips)")
-    p.add_argument("--gpu-variants", default="jit,jd", help="jit, jit_fsdp, jd")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"CPU variants, of {', '.join(VARIANTS)}")
+    p.add_argument("--gpu-variants", default=",".join(VARIANTS), help="the same, compiled for 8xH100")
     p.add_argument("--gpu-repeats", type=int, default=1)
     p.add_argument("--micro-batch", type=int, default=1, help="GPU: sequences per device")
     p.add_argument("--baseline-tree", help="another jax_drain checkout, measured as jd@<label> beside jd")
@@ -332,11 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         jd_variants.insert(0, (f"jd@{args.baseline_label or _commit(tree)}", tree))
     jobs: list[tuple[Job, int]] = []
     for model in filter(None, args.models.split(",")):
-        for variant, tree in [("jit", None), *jd_variants]:
-            job = Job("cpu", variant, model, ("--model", model, "--steps", str(args.steps)), tree)
-            jobs.append((job, args.repeats))
+        for name in _variants(args.variants):
+            for variant, tree in ([(name, None)] if name != "jd" else jd_variants):
+                job = Job("cpu", variant, model, ("--model", model, "--steps", str(args.steps)), tree)
+                jobs.append((job, args.repeats))
     for layers in (int(n) for n in args.gpu_layers.split(",") if int(n) > 0):
-        for name in args.gpu_variants.split(","):
+        for name in _variants(args.gpu_variants):
             for variant, tree in ([(name, None)] if name != "jd" else jd_variants):
                 job = Job("gpu", variant, f"8B-like/{layers}L",
                           ("--gpu-layers", str(layers), "--micro-batch", str(args.micro_batch)), tree)
