@@ -256,6 +256,41 @@ def sharding_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def time_markdown(rows: list[dict]) -> str:
+    """XLA's predicted step and exposed communication, per preset, strategy and bucket count:
+    the rows' ``predicted_step_s`` and ``exposed_comm_s`` (empty where a row has none)."""
+    timed = [r for r in rows if not _unavailable(r) and r.get("predicted_step_s") is not None]
+    if not timed:
+        return ""
+    out = ["## predicted time: XLA's estimates, not yet checked against a GPU\n",
+           "Each cell: XLA's predicted step ms (communication it leaves exposed, ms) for the step compiled in "
+           "the tables above, as its latency-hiding scheduler prices it on the compile-only target "
+           "(`jax_drain.planner.timing`). Columns: requested bucket counts; rows compiled once (`gspmd`, "
+           "`gspmd_fsdp`) are marked * and repeated.\n"]
+    for preset in dict.fromkeys(r["preset"] for r in timed):
+        mine = [r for r in timed if r["preset"] == preset]
+        counts = sorted({r["requested_buckets"] for r in mine if r["strategy"] not in ONCE})
+        out.append(f"### {preset}\n")
+        out.append("| strategy | " + " | ".join(str(c) for c in counts) + " |")
+        out.append("|---" + "|---:" * len(counts) + "|")
+        for s in dict.fromkeys(r["strategy"] for r in mine):
+            by_count = {r["requested_buckets"]: r for r in mine if r["strategy"] == s}
+
+            def cell(r: dict | None, once: bool) -> str:
+                if r is None:
+                    return ""
+                exposed = r.get("exposed_comm_s")
+                return (f"{r['predicted_step_s'] * 1e3:.1f}"
+                        + ("" if exposed is None else f" ({exposed * 1e3:.1f})") + (" *" if once else ""))
+
+            once = s in ONCE
+            cells = [cell(next(iter(by_count.values())), True) for _ in counts] if once else [
+                cell(by_count.get(c), False) for c in counts]
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def sharding_targets(rows: list[dict]) -> list[str]:
     """ZeRO-3's targets at 24+ requested buckets, per preset: its argument bytes <= 0.2 x the
     replicated (fp32_accum+drain) ones, and its temp + arguments <= XLA FSDP's."""
@@ -501,9 +536,12 @@ def report(rows: list[dict], out_dir: str | None, json_path: str | None) -> None
     table = markdown(rows)
     summary = targets(rows)
     sharding, sharding_summary = sharding_markdown(rows), sharding_targets(rows)
+    times = time_markdown(rows)
     print("\n" + table + "\n" + "\n".join(summary))
     if sharding:
         print("\n" + sharding + "\n" + "\n".join(sharding_summary))
+    if times:
+        print("\n" + times)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
     if out_dir:
@@ -513,6 +551,8 @@ def report(rows: list[dict], out_dir: str | None, json_path: str | None) -> None
         text = table + "\n```\n" + "\n".join(summary) + "\n```\n"
         if sharding:
             text += "\n" + sharding + "\n```\n" + "\n".join(sharding_summary) + "\n```\n"
+        if times:
+            text += "\n" + times
         (out / "memory.md").write_text(text)
         plot(rows, out / "memory.png")
 
