@@ -18,6 +18,13 @@ os.environ["XLA_FLAGS"] = (
 # tests/test_gpu_devices.py. CPU stays first, the default backend, so other tests are unchanged.
 _ACCELERATOR = os.environ.get("JAX_DRAIN_TEST_PLATFORM", "cpu").lower()
 _ACCELERATOR = "cuda" if _ACCELERATOR == "gpu" else _ACCELERATOR
+# LLVM's optimisation of the generated machine code, off: the suite's small programs spend
+# far longer in LLVM than running, and nothing it checks depends on it. Values are IEEE
+# arithmetic at any level (no fast math either way), and XLA's GPU buffer assignment,
+# schedule and predicted times are made on HLO before any code is generated
+# (tests/test_gpu_targets.py compares them with and without). Subprocesses inherit it.
+if _ACCELERATOR == "cpu" and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ["JAX_PLATFORMS"] = "cpu" if _ACCELERATOR == "cpu" else f"cpu,{_ACCELERATOR}"
 
 # One persistent compilation cache per run, shared by the xdist workers (they inherit the

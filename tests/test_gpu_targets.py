@@ -238,3 +238,34 @@ def test_multi_host_program_compiles_across_hosts():
     assert rs.kind == "reduce-scatter" and rs.bytes == 1024 // 16 * 256 * 4
     start = parse_schedule(compiled.as_text()).computations[rs.computation][rs.start]
     assert replica_group_size(start.attributes) == 16 and rs.group_size == 16  # one group: both hosts
+
+
+_PLAN_FIGURES = """
+import json, sys
+from jax_drain import plan
+p = plan.plan_preset(plan.preset_config("tiny", layers=1, d_model=128), "fp32_accum+drain", num_buckets=4)
+print(json.dumps([p.temp_bytes, p.argument_bytes, p.predicted_step_s, p.exposed_comm_s, p.buckets_in_flight]))
+"""
+
+
+@pytest.mark.gpu_compile
+def test_the_suite_s_llvm_level_changes_no_gpu_memory_or_time():
+    """tests/conftest.py turns LLVM's optimisation off for speed: XLA's GPU buffer assignment,
+    schedule and prices (what the memory and time claims read) are the same without it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jax_drain import plan
+
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+    here = plan.plan_preset(plan.preset_config("tiny", layers=1, d_model=128), "fp32_accum+drain", num_buckets=4)
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization"))
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", _PLAN_FIGURES], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    default_level = json.loads(out.stdout.strip().splitlines()[-1])
+    assert default_level == [here.temp_bytes, here.argument_bytes, here.predicted_step_s, here.exposed_comm_s,
+                             here.buckets_in_flight]
