@@ -459,9 +459,14 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 0.
 
 def worker_env(devices_per_process: int) -> tuple[dict[str, str], str]:
     """The environment of a local CPU worker process with ``devices_per_process`` devices, and
-    the directory to start it in (the one holding the jax_drain package)."""
+    the directory to start it in (the one holding the jax_drain package). The caller's other
+    XLA flags are kept: a worker compiles what the caller would, with only its device count
+    changed."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+        [*kept, f"--xla_force_host_platform_device_count={devices_per_process}"]))
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
     return env, root
