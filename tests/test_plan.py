@@ -699,3 +699,18 @@ def test_build_user_step_lays_a_scanned_stack_out_in_the_given_order(order):
                                       stacked=stacked, order=order)
     layers = sync.chains[0]
     assert [layers.leaves[b.leaves[0]] for b in layers.layout.buckets] == [i for i in order if i != 2]
+
+
+@pytest.mark.gpu_compile
+def test_a_second_host_is_priced_as_a_network_link():
+    """XLA's estimator prices a collective whose group crosses hosts with its network model (one
+    NIC per GPU), not the NVLink table: the same per-device step on 2 hosts x 8 GPUs leaves far
+    more all-to-all time exposed, where each device sends 15/16 of a bucket instead of 7/8."""
+    small = plan.preset_config("tiny", layers=1, d_model=128)
+    one, two = (plan.plan_preset(small, "fp32_accum+drain", topology=t, num_buckets=4) for t in ("1x1x8", "1x2x8"))
+    assert (one.num_devices, two.num_devices) == (8, 16)
+    bytes_ratio = (15 / 16) / (7 / 8)
+    # A link-blind price grows with the bytes (1.07x); a price that tells the links apart at
+    # least doubles beyond that (measured: 9x, a 25 GB/s NIC against the NVLink table).
+    assert two.exposed_comm_s > 2 * bytes_ratio * one.exposed_comm_s > 0
+    assert set(two.step_time.exposed_comm_by_kind) == {"all-to-all"}
