@@ -192,7 +192,9 @@ def cpu_worker(variant: str, model_name: str, steps: int) -> dict[str, Any]:
     fields, batch_size = CPU_MODELS[model_name]
     config = _gpt_config(fields, "float32")
     model = models.GPT(config, rngs=nnx.Rngs(0))
-    mesh = _mesh_of(variant, jax.make_mesh)
+    # Auto axes: the jit steps are GSPMD programs, sharded by their in/out shardings.
+    mesh = _mesh_of(variant, lambda shape, names: jax.make_mesh(
+        shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names)))
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, config.vocab_size, (batch_size, config.seq_len + 1)).astype(np.int32)}
                for _ in range(4)]
