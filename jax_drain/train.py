@@ -765,8 +765,10 @@ class TrainStep:
                              "ownership='element'")
         if config.ownership is not None:
             return config.ownership
-        whole = depends_on_shapes(self.tx, self._abstract_params) or reduces_within_leaves(self.tx, self._abstract_params)
-        return "param" if owned_possible and whole else "element"
+        # Each probe traces tx.update on the whole tree: only asked where its answer can matter.
+        whole = owned_possible and (depends_on_shapes(self.tx, self._abstract_params)
+                                    or reduces_within_leaves(self.tx, self._abstract_params))
+        return "param" if whole else "element"
 
     def _check_element_wise(self, tx: optax.GradientTransformation, params: PyTree) -> None:
         """:func:`check_transform`; when it refuses ``tx`` and the ownership was left to the
