@@ -10,6 +10,9 @@ norm scale next to an embedding) is held to its own scale, not to its bucket's l
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
 from typing import Callable, Sequence
 
 import jax
@@ -567,3 +570,16 @@ def remat_block_stack(layers: int, d: int, tokens: int):
         return jnp.mean(h.astype(jnp.float32) ** 2)
 
     return params, jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), loss
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules`` first, so that its
+    dataclasses and pickled rows resolve)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,22 +1,15 @@
 """benchmarks/calibrate.py: XLA's predicted time beside a measured one, dry on CPU."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "calibrate.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def calibrate():
-    spec = importlib.util.spec_from_file_location("benchmark_calibrate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("calibrate")
 
 
 @pytest.mark.gpu_compile

@@ -1,8 +1,5 @@
 """benchmarks/first_step.py: each jax_drain variant is timed against the jit step with its shardings."""
 
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import optax
@@ -12,16 +9,12 @@ from jax.sharding import PartitionSpec as P
 import jax_drain as jd
 from jax_drain import models
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "first_step.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def first_step():
-    spec = importlib.util.spec_from_file_location("benchmark_first_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("first_step")
 
 
 def _run(build, first, steady):

@@ -1,21 +1,14 @@
 """benchmarks/memory.py: the time tables read each compiled row's predicted step and exposed time."""
 
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "memory.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def memory():
-    spec = importlib.util.spec_from_file_location("benchmark_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("memory")
 
 
 def _row(strategy, buckets, step_ms, exposed_ms, preset="gpt-blocks"):

@@ -1,24 +1,19 @@
 """benchmarks/precision.py --quick: the rows, the wire-byte ratios and the errors it reports."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "precision.py"
+from helpers import load_benchmark
+
+
 FIELDS = {"preset", "param_dtype", "reduce", "wire_dtype", "wire_bytes", "wire_dtypes", "temp_bytes",
           "argument_bytes", "worst_leaf_rel_error", "num_buckets"}
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("benchmark_precision", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("precision")
 
 
 @pytest.mark.gpu_compile

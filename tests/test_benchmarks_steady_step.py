@@ -1,19 +1,12 @@
 """benchmarks/steady_step.py: every variant trains side by side and the table is written."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "steady_step.py"
+from helpers import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("benchmark_steady_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("steady_step")
 
 
 def test_dry_run_times_both_jits_and_the_default_side_by_side(tmp_path):
