@@ -256,6 +256,15 @@ def sharding_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _time_cell(r: dict | None, once: bool) -> str:
+    """``step (exposed)`` in ms; ``*`` marks a row compiled once and repeated."""
+    if r is None:
+        return ""
+    exposed = r.get("exposed_comm_s")
+    return (f"{r['predicted_step_s'] * 1e3:.1f}" + ("" if exposed is None else f" ({exposed * 1e3:.1f})")
+            + (" *" if once else ""))
+
+
 def time_markdown(rows: list[dict]) -> str:
     """XLA's predicted step and exposed communication, per preset, strategy and bucket count:
     the rows' ``predicted_step_s`` and ``exposed_comm_s`` (empty where a row has none)."""
@@ -275,17 +284,9 @@ def time_markdown(rows: list[dict]) -> str:
         out.append("|---" + "|---:" * len(counts) + "|")
         for s in dict.fromkeys(r["strategy"] for r in mine):
             by_count = {r["requested_buckets"]: r for r in mine if r["strategy"] == s}
-
-            def cell(r: dict | None, once: bool) -> str:
-                if r is None:
-                    return ""
-                exposed = r.get("exposed_comm_s")
-                return (f"{r['predicted_step_s'] * 1e3:.1f}"
-                        + ("" if exposed is None else f" ({exposed * 1e3:.1f})") + (" *" if once else ""))
-
             once = s in ONCE
-            cells = [cell(next(iter(by_count.values())), True) for _ in counts] if once else [
-                cell(by_count.get(c), False) for c in counts]
+            cells = [_time_cell(next(iter(by_count.values())), True) for _ in counts] if once else [
+                _time_cell(by_count.get(c), False) for c in counts]
             out.append(f"| {s} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

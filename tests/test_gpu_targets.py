@@ -1,14 +1,18 @@
 """jax_drain.planner.targets: shipped target configs, topologies, compile-only devices and meshes."""
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_drain.planner import targets
+from jax_drain.planner import plan, targets
 from jax_drain.planner.targets import (
     KNOWN_TARGETS,
     GpuCompileUnavailable,
@@ -252,13 +256,6 @@ print(json.dumps([p.temp_bytes, p.argument_bytes, p.predicted_step_s, p.exposed_
 def test_the_suite_s_llvm_level_changes_no_gpu_memory_or_time():
     """tests/conftest.py turns LLVM's optimisation down for speed: XLA's GPU buffer assignment,
     schedule and prices (what the memory and time claims read) are the same without it."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from jax_drain import plan
-
     assert "--xla_backend_optimization_level=1" in os.environ["XLA_FLAGS"]
     here = plan.plan_preset(plan.preset_config("tiny", layers=1, d_model=128), "fp32_accum+drain", num_buckets=4)
     flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization"))
