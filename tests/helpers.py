@@ -434,13 +434,20 @@ def reference_run(loss_fn: Callable, params, tx, batches) -> tuple:
     and gradient (the trajectory bounds' inputs)."""
     state, losses, gradients = tx.init(params), [], []
     step = jax.jit(jax.value_and_grad(loss_fn))
+    # One program per update, not one per operation: an eager optax update compiles each of
+    # its operations apart, which costs more than the whole test's steps.
+    update = jax.jit(lambda g, s, p: _applied(tx, g, s, p))
     for batch in batches:
         loss, grads = step(params, batch)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = update(grads, state, params)
         losses.append(float(loss))
         gradients.append(grads)
     return params, losses, gradients
+
+
+def _applied(tx, grads, state, params) -> tuple:
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
 
 
 def loss_rounding_bounds(losses, gradients, param_bounds, *, additions: int, eps: float = EPS32,
