@@ -421,35 +421,52 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
                     f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
 
 
-def depends_on_shapes(tx: optax.GradientTransformation, params: PyTree) -> bool:
-    """Whether ``tx`` computes differently at the parameters' real shapes than on a copy with
-    every dimension at most 2 (abstract, cheap): a transform that needs whole tensors (Muon's
-    orthogonalisation, Adafactor's factored moments), which flat shards cannot give it."""
-    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
-    return _shape_dependence(tx, real, jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32),
-                                                    real)) is not None
+def needs_whole_parameters(tx: optax.GradientTransformation, params: PyTree) -> bool:
+    """Whether ``tx`` needs each parameter whole, which flat shards cannot give it (abstract,
+    cheap; the same ``tx`` object on the same shapes is answered from a cache):
+
+    - it computes differently at the parameters' real shapes than on a copy with every
+      dimension at most 2 (Muon's orthogonalisation, Adafactor's factored moments); or
+    - some leaf's update depends on a reduction over that leaf's own values and no other's (a
+      per-parameter quantity such as LAMB's and LARS's trust ratios; a reduction over every
+      leaf, a global norm, is not one).
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
+    try:
+        hash(tx)
+    except TypeError:  # a tx holding unhashable parts is probed every time
+        return _probe_whole_parameters(tx, treedef, shapes)
+    return _probe_whole_parameters_once(tx, treedef, shapes)
+
+
+# An optax transform is a pair of pure functions: the answer for one tx object and shapes holds
+# for a step built again (a restore, another mesh, a planner's search).
+@functools.lru_cache(maxsize=64)
+def _probe_whole_parameters_once(tx: optax.GradientTransformation, treedef: Any, shapes: tuple) -> bool:
+    return _probe_whole_parameters(tx, treedef, shapes)
+
+
+def _probe_whole_parameters(tx: optax.GradientTransformation, treedef: Any, shapes: tuple) -> bool:
+    real = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), real)
+    try:
+        real_state = jax.eval_shape(tx.init, real)
+        real_update = jax.make_jaxpr(lambda state, p: tx.update(p, state, p))(real_state, real)
+    except Exception:  # noqa: BLE001 - the checks on arrays report a tx that cannot trace
+        return False
+    if _shape_dependence(tx, real, shrunk, real_state=real_state, real_update=real_update) is not None:
+        return True
+    # update(g=p, state, params=p) gives every leaf's gradient and parameter one tag.
+    n = len(shapes)
+    tags = [(frozenset({i}), frozenset()) for i in range(n)]
+    inputs = [(frozenset(), frozenset())] * len(jax.tree.leaves(real_state)) + tags
+    outputs = _reduction_tags(real_update.jaxpr, inputs)
+    return any(reduced == {i} for i, (_, reduced) in enumerate(outputs[:n]))
 
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
                          "dot_general", "cumsum", "cumprod", "cummax", "cumlogsumexp"})
-
-
-def reduces_within_leaves(tx: optax.GradientTransformation, params: PyTree) -> bool:
-    """Whether some leaf's update depends on a reduction over that leaf's own values and no
-    other's (abstract, cheap): a per-parameter quantity such as LAMB's and LARS's trust ratios,
-    which flat shards cannot give. A reduction over every leaf (a global norm) is not one."""
-    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
-    try:
-        state = jax.eval_shape(tx.init, real)
-        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[0])(real, state, real)
-    except Exception:  # noqa: BLE001 - the checks on arrays report a tx that cannot trace
-        return False
-    n = len(jax.tree.leaves(real))
-    # Each variable: (the leaves its value depends on, the leaves a reduction it depends on read).
-    tags = [(frozenset({i}), frozenset()) for i in range(n)]
-    inputs = tags + [(frozenset(), frozenset())] * len(jax.tree.leaves(state)) + tags
-    outputs = _reduction_tags(closed.jaxpr, inputs)
-    return any(reduced == {i} for i, (_, reduced) in enumerate(outputs[:n]))
 
 
 def _reduction_tags(jaxpr: Any, inputs: Sequence[tuple[frozenset, frozenset]]) -> list[tuple[frozenset, frozenset]]:
@@ -498,7 +515,8 @@ def _primitives(jaxpr) -> collections.Counter:
     return counts
 
 
-def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: PyTree) -> str | None:
+def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: PyTree, *,
+                      real_state: PyTree | None = None, real_update: Any = None) -> str | None:
     """How ``tx`` at the real shapes differs from ``tx`` at the check's shrunken ones, or None.
 
     Traced abstractly (no arrays are made, so any model size is cheap): the state must have the
@@ -507,7 +525,8 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
     must compute with the same operations (a branch on a dimension's size traces others).
     """
     try:
-        real_state, shrunk_state = jax.eval_shape(tx.init, real), jax.eval_shape(tx.init, shrunk)
+        real_state = jax.eval_shape(tx.init, real) if real_state is None else real_state
+        shrunk_state = jax.eval_shape(tx.init, shrunk)
     except Exception:  # noqa: BLE001 - a tx that cannot init abstractly is checked on arrays below
         return None
     real_leaves, real_def = jax.tree_util.tree_flatten_with_path(real_state)
@@ -521,7 +540,8 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
                     "factored moments: optax.adafactor(factored=False) keeps them element-wise)")
     update = lambda state, params: tx.update(params, state, params)
     try:
-        real_ops = _primitives(jax.make_jaxpr(update)(real_state, real).jaxpr)
+        real_update = jax.make_jaxpr(update)(real_state, real) if real_update is None else real_update
+        real_ops = _primitives(real_update.jaxpr)
         shrunk_ops = _primitives(jax.make_jaxpr(update)(shrunk_state, shrunk).jaxpr)
     except Exception:  # noqa: BLE001 - as above: the check on arrays reports it
         return None

@@ -114,7 +114,7 @@ from jax_drain.mesh import (
     check_ownership, check_tensor_parallel, leaf_specs, place_leaves,
 )
 from jax_drain.optimizer import (
-    DistributedOptimizer, DistState, check_transform, depends_on_shapes, layout_mismatch, reduces_within_leaves,
+    DistributedOptimizer, DistState, check_transform, layout_mismatch, needs_whole_parameters,
 )
 from jax_drain.ownership import check_per_parameter
 from jax_drain.order import grad_ready_order, remat_groups
@@ -765,9 +765,8 @@ class TrainStep:
                              "ownership='element'")
         if config.ownership is not None:
             return config.ownership
-        # Each probe traces tx.update on the whole tree: only asked where its answer can matter.
-        whole = owned_possible and (depends_on_shapes(self.tx, self._abstract_params)
-                                    or reduces_within_leaves(self.tx, self._abstract_params))
+        # The probe traces tx.update on the whole tree: only asked where its answer can matter.
+        whole = owned_possible and needs_whole_parameters(self.tx, self._abstract_params)
         return "param" if whole else "element"
 
     def _check_element_wise(self, tx: optax.GradientTransformation, params: PyTree) -> None:

@@ -359,3 +359,31 @@ def test_the_whole_parameter_check_runs_once_per_tx_and_shapes_and_refuses_every
     for _ in range(2):
         with pytest.raises(ValueError, match="computes something over several parameters"):
             check_per_parameter(clipped, tree)
+
+
+@pytest.mark.parametrize("name, want", [(name, True) for name in TRANSFORMS]
+                         + [("adamw", False), ("clipped_adamw", False)])
+def test_the_ownership_probe_answers_once_per_tx_and_shapes(name, want):
+    """Whole parameters for the transforms that need them, not for element-wise ones nor a
+    global-norm clip; the same tx object on the same shapes is not traced again (a step built
+    again), other shapes are."""
+    from jax_drain.optimizer import needs_whole_parameters
+
+    inner = {"adamw": lambda: optax.adamw(1e-2),
+             "clipped_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+             **TRANSFORMS}[name]()
+    calls = []
+
+    def update(*args):
+        calls.append(1)
+        return inner.update(*args)
+
+    tx = optax.GradientTransformation(inner.init, update)
+    tree = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    assert needs_whole_parameters(tx, tree) is want
+    assert calls
+    calls.clear()
+    assert needs_whole_parameters(tx, tree) is want
+    assert not calls
+    assert needs_whole_parameters(tx, {**tree, "u": jax.ShapeDtypeStruct((9, 8), jnp.float32)}) is want
+    assert calls
