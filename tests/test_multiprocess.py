@@ -155,3 +155,62 @@ def test_multiprocess_compare_reports_differences():
     assert worker.compare(a, b) == ["sync/shard0: 4 of 4 elements differ (max |diff| 2.38e-07)"]
     assert worker.compare(a, b, rtol=1e-6) == []
     assert worker.compare(a, {"x": a["sync/loss"]})[0].startswith("different keys")
+
+
+DYING_TRAINER = """
+import os, signal, sys, time
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process, port, dying, heartbeat = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+jax.distributed.initialize(f"localhost:{port}", 2, process, heartbeat_timeout_seconds=heartbeat)
+import numpy as np, optax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import jax_drain as jd
+
+rng = np.random.default_rng(0)
+params = {"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)}
+step = jd.make_train_step(params, lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]) ** 2), optax.adam(1e-3),
+                          Mesh(np.array(jax.devices()), ("data",)), jd.TrainConfig(),
+                          example_batch=np.zeros((16, 16), np.float32))
+state = step.init(params)
+for i in range(10_000):
+    if process == dying and i == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9, between two steps
+    state, metrics = step(state, step.local_batch(rng.normal(size=(8, 16)).astype(np.float32)))
+    float(metrics.loss)
+print("never reached: the peer died", flush=True)
+"""
+
+
+@pytest.mark.parametrize("dying", [1, 0], ids=["a_peer", "the_coordinator"])
+def test_a_peer_killed_during_training_ends_the_survivor_within_the_heartbeat(dying, tmp_path):
+    """kill -9 of one of two processes while both train: the survivor waits in a collective of
+    the loop (the step's or ``local_batch``'s; Gloo does not fail them) until JAX's coordination
+    service misses the dead process's heartbeats (``heartbeat_timeout_seconds``), then aborts
+    naming it; where the coordinator (process 0) died, its socket closes and the survivor aborts
+    at once. Either way within the heartbeat timeout and a margin for the runtime's polling."""
+    import signal
+    import subprocess
+    import sys
+
+    heartbeat = 10
+    port = str(worker.free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(i), port, str(dying), str(heartbeat)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    survivor = procs[1 - dying]
+    try:
+        procs[dying].communicate(timeout=TIMEOUT_S)
+        died = time.monotonic()
+        _, err = survivor.communicate(timeout=heartbeat + 60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[dying].returncode == -signal.SIGKILL
+    assert survivor.returncode == -signal.SIGABRT, err[-3000:]
+    assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
+    if dying == 1:
+        assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err), err[-3000:]
+    assert time.monotonic() - died < heartbeat + 20, "the survivor outlived the heartbeat timeout"
