@@ -176,6 +176,17 @@ step = jd.make_train_step(params, lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]) ** 
                           Mesh(np.array(jax.devices()), ("data",)), jd.TrainConfig(),
                           example_batch=np.zeros((16, 16), np.float32))
 state = step.init(params)
+if len(sys.argv) > 5:  # dies right after its async save began, while the save is being written
+    state, _ = step(state, step.local_batch(rng.normal(size=(8, 16)).astype(np.float32)))
+    pending = jd.save_checkpoint_async(sys.argv[5], state)
+    if process == dying:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        pending.wait()
+    except jd.CheckpointSaveError as e:
+        print(f"CheckpointSaveError: {e}", flush=True)
+        sys.exit(7)
+    print("never reached: the peer died", flush=True)
 for i in range(10_000):
     if process == dying and i == 3:
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9, between two steps
@@ -185,32 +196,40 @@ print("never reached: the peer died", flush=True)
 """
 
 
-@pytest.mark.parametrize("dying", [1, 0], ids=["a_peer", "the_coordinator"])
-def test_a_peer_killed_during_training_ends_the_survivor_within_the_heartbeat(dying, tmp_path):
+@pytest.mark.parametrize("dying, during", [(1, "step"), (0, "step"), (1, "save")],
+                         ids=["a_peer_in_a_step", "the_coordinator_in_a_step", "a_peer_in_an_async_save"])
+def test_a_peer_killed_during_training_ends_the_survivor_within_the_heartbeat(dying, during, tmp_path):
     """kill -9 of one of two processes while both train: the survivor waits in a collective of
-    the loop (the step's or ``local_batch``'s; Gloo does not fail them) until JAX's coordination
-    service misses the dead process's heartbeats (``heartbeat_timeout_seconds``), then aborts
-    naming it; where the coordinator (process 0) died, its socket closes and the survivor aborts
-    at once. Either way within the heartbeat timeout and a margin for the runtime's polling."""
+    the loop (the step's or ``local_batch``'s; Gloo does not fail them) or at orbax's commit
+    barrier of a save until JAX's coordination service misses the dead process's heartbeats
+    (``heartbeat_timeout_seconds``), then aborts naming it; where the coordinator (process 0)
+    died, its socket closes and the survivor aborts at once. A peer that dies while a save's
+    own collectives run fails them first: ``CheckpointSaveError``, saying a peer stopped.
+    Every way within the heartbeat timeout and a margin for the runtime's polling."""
     import signal
     import subprocess
     import sys
 
     heartbeat = 10
     port = str(worker.free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(i), port, str(dying), str(heartbeat)],
+    save = [str(tmp_path / "ckpt")] if during == "save" else []
+    procs = [subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(i), port, str(dying), str(heartbeat), *save],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     survivor = procs[1 - dying]
     try:
         procs[dying].communicate(timeout=TIMEOUT_S)
         died = time.monotonic()
-        _, err = survivor.communicate(timeout=heartbeat + 60)
+        out, err = survivor.communicate(timeout=heartbeat + 60)
     finally:
         for p in procs:
             p.kill()
     assert procs[dying].returncode == -signal.SIGKILL
-    assert survivor.returncode == -signal.SIGABRT, err[-3000:]
-    assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
-    if dying == 1:
-        assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err), err[-3000:]
+    if survivor.returncode == 7:  # the save's collectives failed first
+        assert during == "save" and re.search(r"CheckpointSaveError: .*a peer that stopped", out), out + err[-3000:]
+    else:
+        assert survivor.returncode == -signal.SIGABRT, err[-3000:]
+        assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
+        if dying == 1:
+            assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err), \
+                err[-3000:]
     assert time.monotonic() - died < heartbeat + 20, "the survivor outlived the heartbeat timeout"
