@@ -7,7 +7,8 @@ written for and once the way the runtime would, and compares the updates leaf by
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,24 @@ PyTree = Any
 
 #: One gradient scale per step: thresholds such as a clip's get crossed.
 CHECK_SCALES = (1e-2, 1.0, 1e2, 1e4)
+
+
+def once_per_tx(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(tx, *keys)`` run once per ``tx`` object and ``keys`` (hashable: a treedef, shapes):
+    an optax transform is a pair of pure functions, so its answer holds for a step built again
+    (a restore, another mesh, a planner's search). An exception is not kept, so a refusal is
+    raised again each time; a ``tx`` holding unhashable parts is run every time."""
+    cached = functools.lru_cache(maxsize=64)(fn)
+
+    @functools.wraps(fn)
+    def call(tx: optax.GradientTransformation, *keys: Any) -> Any:
+        try:
+            hash(tx)
+        except TypeError:
+            return fn(tx, *keys)
+        return cached(tx, *keys)
+
+    return call
 
 
 def random_steps(abstract: PyTree) -> tuple[PyTree, list[PyTree]]:

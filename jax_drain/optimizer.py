@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
-from jax_drain._tx_check import host_unflatten, random_steps, updates_on_tree
+from jax_drain._tx_check import host_unflatten, once_per_tx, random_steps, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
@@ -432,21 +432,10 @@ def needs_whole_parameters(tx: optax.GradientTransformation, params: PyTree) -> 
       leaf, a global norm, is not one).
     """
     leaves, treedef = jax.tree.flatten(params)
-    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
-    try:
-        hash(tx)
-    except TypeError:  # a tx holding unhashable parts is probed every time
-        return _probe_whole_parameters(tx, treedef, shapes)
-    return _probe_whole_parameters_once(tx, treedef, shapes)
+    return _probe_whole_parameters(tx, treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves))
 
 
-# An optax transform is a pair of pure functions: the answer for one tx object and shapes holds
-# for a step built again (a restore, another mesh, a planner's search).
-@functools.lru_cache(maxsize=64)
-def _probe_whole_parameters_once(tx: optax.GradientTransformation, treedef: Any, shapes: tuple) -> bool:
-    return _probe_whole_parameters(tx, treedef, shapes)
-
-
+@once_per_tx
 def _probe_whole_parameters(tx: optax.GradientTransformation, treedef: Any, shapes: tuple) -> bool:
     real = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), real)

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 from jax_drain import _compat
-from jax_drain._tx_check import host_unflatten, random_steps, updates_on_tree
+from jax_drain._tx_check import host_unflatten, once_per_tx, random_steps, updates_on_tree
 from jax_drain.chain import BucketChain
 from jax_drain.layout import BucketLayout, leaf_paths
 
@@ -328,23 +328,10 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in np.shape(x)), jnp.float32),
                           params)
     leaves, treedef = jax.tree.flatten(shrunk)
-    shapes = tuple(x.shape for x in leaves)
-    try:
-        hash(tx)
-    except TypeError:  # a tx holding unhashable parts is checked every time
-        _check_on_owners(tx, treedef, shapes, rtol)
-        return
-    _check_once(tx, treedef, shapes, rtol)
+    _check_on_owners(tx, treedef, tuple(x.shape for x in leaves), rtol)
 
 
-# The same tx object on the same shapes passes again (an optax transform is a pair of pure
-# functions), so a step built again for a restore, another mesh or a planner's search does not
-# compile the check again. lru_cache keeps no exceptions: a refusal is raised again each time.
-@functools.lru_cache(maxsize=64)
-def _check_once(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> None:
-    _check_on_owners(tx, treedef, shapes, rtol)
-
-
+@once_per_tx
 def _check_on_owners(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> None:
     """:func:`check_per_parameter` on the shrunken tree, its leaves spread over two owners."""
     owners = 2

@@ -1,6 +1,5 @@
 """benchmarks/first_step.py: each jax_drain variant is timed against the jit step with its shardings."""
 
-
 import jax
 import optax
 import pytest

@@ -33,8 +33,7 @@ def _params(seed: int = 0):
 
 def _muon():
     # Two Newton-Schulz iterations, not five: each still multiplies whole matrices, which is what
-    # ownership must give it, and optax unrolls the loop into every program (16 -> 13 s for the
-    # checkpoint-move test below).
+    # ownership must give it, and optax unrolls the loop into every program this file compiles.
     return optax.contrib.muon(0.02, ns_steps=2)
 
 
