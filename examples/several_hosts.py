@@ -12,7 +12,9 @@ The mesh is ``(data = hosts, model = accelerators per host)``: the model's decla
 (``nnx.with_partitioning``) split each weight over the host's own devices, and jax_drain reduces
 the gradients over the hosts in drained, fp32-accumulated buckets. Each host reads only its own
 rows of the batch (``step.local_batch``) and the checkpoint goes to a directory every host sees;
-each host writes the shards it holds.
+each host writes the shards it holds. ``jd.watch_peers`` ends every host, naming the one that
+died, if a host dies: without it the others would wait in a collective until JAX's heartbeat
+timeout aborts them.
 
 Try it on one machine, as 2 "hosts" of 4 CPU devices each::
 
@@ -84,9 +86,10 @@ def train(ckpt: str, steps: int) -> None:
     state = step.init()
     if jd.latest_step(ckpt) is not None:  # resume: any host count that divides the batch
         state, _ = jd.restore_checkpoint(ckpt, step.abstract_state())
-    for _ in range(steps):
-        state, metrics = step(state, step.local_batch(my_rows()))
-    jd.save_checkpoint(ckpt, state)
+    with jd.watch_peers(timeout_seconds=60):  # a dead host ends the others within ~70 s, named
+        for _ in range(steps):
+            state, metrics = step(state, step.local_batch(my_rows()))
+        jd.save_checkpoint(ckpt, state)
     if jax.process_index() == 0:
         print(f"{hosts} hosts x {per_host} devices: step {int(state.step)}, loss {float(metrics.loss):.4f}, "
               f"checkpoint {ckpt}/{int(state.step)}; up.kernel held as {state.params['up']['kernel'].addressable_shards[0].data.shape} "

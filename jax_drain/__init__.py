@@ -23,6 +23,7 @@ from jax_drain.optimizer import (
     DistributedOptimizer, DistState, FlatShards, adamw, clip_by_global_norm, global_norm, masked,
 )
 from jax_drain.order import grad_ready_order, remat_groups
+from jax_drain.peers import PEER_FAILURE_EXIT, PeerWatch, watch_peers
 from jax_drain.scan import ScanGradSync, ScanShards, stacked_leaves
 from jax_drain.shardings import declared_specs
 from jax_drain.sync import GradSync, Shards, local_params
@@ -44,6 +45,8 @@ __all__ = [
     "FlatShards",
     "GradSync",
     "LeafSlot",
+    "PEER_FAILURE_EXIT",
+    "PeerWatch",
     "REDUCE_MODES",
     "ScanGradSync",
     "ScanShards",
@@ -70,6 +73,7 @@ __all__ = [
     "save_checkpoint_async",
     "sequenced_map",
     "stacked_leaves",
+    "watch_peers",
 ]
 
 

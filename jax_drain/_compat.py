@@ -161,3 +161,14 @@ def _install_constraint_hook() -> None:
         return rewrite(sharding, mesh)
 
     pjit._create_sharding_for_array = create_sharding
+
+
+def distributed_client() -> Any | None:
+    """The process's client of JAX's coordination service (its key-value store), or ``None``
+    before ``jax.distributed.initialize``; jax's public API does not expose it."""
+    from jax._src import distributed  # private: the client jax.distributed.initialize made
+
+    state = getattr(distributed, "global_state", None)
+    if state is None or not hasattr(state, "client"):
+        raise _missing("jax._src.distributed.global_state.client", "watch the other processes")
+    return state.client

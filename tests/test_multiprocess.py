@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import jax_drain as jd
 from jax_drain.testing import multiprocess as worker
 
 # Generous for 2 shared cores: the run itself takes ~15 s.
@@ -158,12 +159,13 @@ def test_multiprocess_compare_reports_differences():
 
 
 DYING_TRAINER = """
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-process, port, dying, heartbeat = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+process, port, dying, how, heartbeat, watch = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4],
+                                              int(sys.argv[5]), float(sys.argv[6]))
 jax.distributed.initialize(f"localhost:{port}", 2, process, heartbeat_timeout_seconds=heartbeat)
 import numpy as np, optax
 import jax.numpy as jnp
@@ -176,60 +178,107 @@ step = jd.make_train_step(params, lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]) ** 
                           Mesh(np.array(jax.devices()), ("data",)), jd.TrainConfig(),
                           example_batch=np.zeros((16, 16), np.float32))
 state = step.init(params)
-if len(sys.argv) > 5:  # dies right after its async save began, while the save is being written
-    state, _ = step(state, step.local_batch(rng.normal(size=(8, 16)).astype(np.float32)))
-    pending = jd.save_checkpoint_async(sys.argv[5], state)
-    if process == dying:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        pending.wait()
-    except jd.CheckpointSaveError as e:
-        print(f"CheckpointSaveError: {e}", flush=True)
-        sys.exit(7)
-else:
-    for i in range(10_000):
-        if process == dying and i == 3:
+with jd.watch_peers(timeout_seconds=watch) if watch else contextlib.nullcontext():
+    if how == "kill_in_save":  # dies right after its async save began, while the save is being written
+        state, _ = step(state, step.local_batch(rng.normal(size=(8, 16)).astype(np.float32)))
+        pending = jd.save_checkpoint_async(sys.argv[7], state)
+        if process == dying:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            pending.wait()
+        except jd.CheckpointSaveError as e:
+            print(f"CheckpointSaveError: {e}", flush=True)
+            sys.exit(7)
+    for i in range(5 if how == "finish" else 10_000):
+        if process == dying and i == 3 and how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)  # kill -9, between two steps
+        if process == dying and i == 3 and how == "raise":
+            raise ValueError("a bad batch 3")
         state, metrics = step(state, step.local_batch(rng.normal(size=(8, 16)).astype(np.float32)))
         float(metrics.loss)
-print("never reached: the peer died", flush=True)
+    if how == "finish" and process != dying:
+        time.sleep(3 * watch)  # in Python, after the loop: the peer has finished, not died
+print("never reached: the peer died" if how != "finish" else f"process {process} finished", flush=True)
 """
 
 
-@pytest.mark.parametrize("dying, during", [(1, "step"), (0, "step"), (1, "save")],
-                         ids=["a_peer_in_a_step", "the_coordinator_in_a_step", "a_peer_in_an_async_save"])
-def test_a_peer_killed_during_training_ends_the_survivor_within_the_heartbeat(dying, during, tmp_path):
-    """kill -9 of one of two processes while both train: the survivor waits in a collective of
-    the loop (the step's or ``local_batch``'s; Gloo does not fail them) or at orbax's commit
-    barrier of a save until JAX's coordination service misses the dead process's heartbeats
-    (``heartbeat_timeout_seconds``), then aborts naming it; where the coordinator (process 0)
-    died, its socket closes and the survivor aborts at once. A peer that dies while a save's
-    own collectives run fails them first: ``CheckpointSaveError``, saying a peer stopped.
-    Every way within the heartbeat timeout and a margin for the runtime's polling."""
-    import signal
+def _run_dying_pair(dying: int, how: str, *, heartbeat: int, watch: float, tmp_path) -> tuple[list, float, str, str]:
+    """Runs DYING_TRAINER on two processes; returns both processes (ended), the time the dying one
+    ended, and the survivor's stdout and stderr."""
     import subprocess
     import sys
 
-    heartbeat = 10
     port = str(worker.free_port())
-    save = [str(tmp_path / "ckpt")] if during == "save" else []
-    procs = [subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(i), port, str(dying), str(heartbeat), *save],
+    extra = [str(tmp_path / "ckpt")] if how == "kill_in_save" else []
+    procs = [subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(i), port, str(dying), how, str(heartbeat),
+                               str(watch), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    survivor = procs[1 - dying]
     try:
         procs[dying].communicate(timeout=TIMEOUT_S)
-        died = time.monotonic()
-        out, err = survivor.communicate(timeout=heartbeat + 60)
+        ended = time.monotonic()
+        out, err = procs[1 - dying].communicate(timeout=heartbeat + 60)
     finally:
         for p in procs:
             p.kill()
-    assert procs[dying].returncode == -signal.SIGKILL
-    if survivor.returncode == 7:  # the save's collectives failed first
-        assert during == "save" and re.search(r"CheckpointSaveError: .*a peer that stopped", out), out + err[-3000:]
-    else:
-        assert survivor.returncode == -signal.SIGABRT, err[-3000:]
-        assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
-        if dying == 1:
-            assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err), \
-                err[-3000:]
+    return procs, ended, out, err
+
+
+def test_a_peer_killed_in_a_step_without_watch_peers_ends_the_survivor_by_jax_s_heartbeat(tmp_path):
+    """Without :func:`jd.watch_peers`, a survivor waits in a collective of the loop (the step's
+    or ``local_batch``'s; Gloo does not fail them all) until JAX's coordination service misses
+    the dead process's heartbeats (``heartbeat_timeout_seconds``), then JAX aborts it, naming the
+    process but not what to do: the behaviour ``watch_peers`` improves on, as documented."""
+    import signal
+
+    heartbeat = 10
+    procs, died, out, err = _run_dying_pair(1, "kill", heartbeat=heartbeat, watch=0, tmp_path=tmp_path)
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == -signal.SIGABRT, err[-3000:]
+    assert re.search(r"The following tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err), err[-3000:]
     assert time.monotonic() - died < heartbeat + 20, "the survivor outlived the heartbeat timeout"
+
+
+@pytest.mark.parametrize("dying, how", [(1, "kill"), (0, "kill"), (1, "kill_in_save"), (1, "raise")],
+                         ids=["a_peer_killed_in_a_step", "the_coordinator_killed_in_a_step",
+                              "a_peer_killed_in_an_async_save", "a_peer_raising_in_a_step"])
+def test_watch_peers_ends_the_survivor_naming_the_dead_peer_and_what_to_do(dying, how, tmp_path):
+    """With ``jd.watch_peers(timeout_seconds=3)`` and JAX's heartbeat at 100 s: a peer killed with
+    ``kill -9`` ends the survivor within the watch's bound (timeout + 2 polls), well before the
+    heartbeat, with jax_drain's line naming the process and saying to restart every process, and
+    exit status ``jd.PEER_FAILURE_EXIT``. A peer that raises inside the ``with`` block ends it at
+    once, naming the error, and itself exits 1 instead of waiting at JAX's shutdown for peers it
+    ended. The coordinator's death ends the survivor at once (JAX's runtime may be first). A death
+    while a save's own collectives run may end the survivor's save first: ``CheckpointSaveError``."""
+    import signal
+
+    watch, heartbeat = 3.0, 100
+    procs, died, out, err = _run_dying_pair(dying, how, heartbeat=heartbeat, watch=watch, tmp_path=tmp_path)
+    took = time.monotonic() - died
+    survivor = procs[1 - dying]
+    if how == "raise":
+        assert procs[dying].returncode == 1, "the failed process waited at JAX's shutdown for the peers it ended"
+        assert survivor.returncode == jd.PEER_FAILURE_EXIT, err[-3000:]
+        assert "jax_drain.watch_peers: process 1 of 2 failed with ValueError: a bad batch 3" in err, err[-3000:]
+        assert took < watch, f"the survivor took {took:.1f} s to end for a published failure"
+        return
+    assert procs[dying].returncode == -signal.SIGKILL
+    if survivor.returncode == 7:
+        assert how == "kill_in_save" and re.search(r"CheckpointSaveError: .*a peer that stopped", out), out + err[-3000:]
+    elif dying == 0 and survivor.returncode == -signal.SIGABRT:  # JAX's runtime saw the service go first
+        assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
+    else:
+        assert survivor.returncode == jd.PEER_FAILURE_EXIT, err[-3000:]
+        named = "the coordination service (process 0) stopped answering" if dying == 0 else \
+            "process 1 of 2 stopped answering: no sign of life"
+        assert f"jax_drain.watch_peers: {named}" in err, err[-3000:]
+        assert "Restart every process; jax_drain.restore_checkpoint restores the newest complete step" in err
+    # the bound: timeout + 2 polls, and a margin for a loaded machine; JAX's heartbeat is 100 s
+    assert took < watch + 2 * watch / 10 + 10, f"the survivor took {took:.1f} s to end"
+
+
+def test_watch_peers_does_not_report_a_peer_that_finished(tmp_path):
+    """A peer that leaves the ``with`` block normally publishes ``finished``: a survivor still
+    working (here 3x the timeout, after its loop) is not ended, and both exit 0."""
+    procs, _, out, err = _run_dying_pair(1, "finish", heartbeat=100, watch=2.0, tmp_path=tmp_path)
+    assert [p.returncode for p in procs] == [0, 0], err[-3000:]
+    assert "process 0 finished" in out and "watch_peers" not in err
