@@ -3,15 +3,22 @@ and the whole-parameter check (:func:`jax_drain.ownership.check_per_parameter`).
 
 Each runs ``tx`` for a few steps on a small random copy of the parameters, once on the tree it is
 written for and once the way the runtime would, and compares the updates leaf by leaf.
+
+Each check comes in two halves, so that a train step can prepare it on a thread beside its own
+compiles: preparing traces and compiles the check's programs and touches no device; the
+:class:`Verdict` it returns runs them, on the thread that calls it. A program run from a
+second thread while a multi-device program waits in a collective can deadlock XLA:CPU (its
+devices' threads wait on each other until XLA ends the process after its rendezvous timeout),
+so no check runs a program on a thread of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -50,22 +57,41 @@ def random_steps(abstract: PyTree) -> tuple[PyTree, list[PyTree]]:
     return make(1.0), [make(scale) for scale in CHECK_SCALES]
 
 
-def updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree], *,
-                    compiled: bool = False) -> list[PyTree]:
-    """Each step's updates of ``tx`` run on the parameter tree ``start``.
+class Verdict:
+    """A prepared check: calling it runs the check's compiled programs on the calling thread and
+    raises ``ValueError`` if ``tx`` is refused. A pass is remembered (later calls return at
+    once); a refusal is raised again at each call."""
 
-    Eagerly by default: on arrays this small, dispatching each operation costs less than
-    compiling the steps, and the operations' executables are cached for the next check.
-    ``compiled``: one compiled update for every step, for transforms with loops (Muon's
-    Newton-Schulz ``fori_loop``), which compile afresh at each eager call."""
-    update = jax.jit(tx.update) if compiled else tx.update
-    tree = jax.tree.map(jnp.asarray, start)
-    state, steps = tx.init(tree), []
-    for g in grads:
-        updates, state = update(jax.tree.map(jnp.asarray, g), state, tree)
-        tree = optax.apply_updates(tree, updates)
-        steps.append(updates)
-    return steps
+    def __init__(self, run: Callable[[], None]):
+        self._run, self._passed, self._lock = run, False, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self._passed:
+                self._run()
+                self._passed = True
+
+
+def compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn`` traced and lowered for ``args`` now; the returned call compiles it and runs it on
+    ``args``, on the calling thread."""
+    lowered = jax.jit(fn).lower(*args)
+    return lambda: lowered.compile()(*args)
+
+
+def updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> Callable[[], list]:
+    """Each step's updates of ``tx`` run on the parameter tree ``start``: one program, compiled
+    here, run by the returned call."""
+
+    def steps(tree: PyTree, grads: list[PyTree]) -> list[PyTree]:
+        state, out = tx.init(tree), []
+        for g in grads:
+            updates, state = tx.update(g, state, tree)
+            tree = optax.apply_updates(tree, updates)
+            out.append(updates)
+        return out
+
+    return compiled(steps, start, list(grads))
 
 
 def host_unflatten(layout: BucketLayout, shards: Sequence[jax.Array]) -> PyTree:

@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
-from jax_drain._tx_check import host_unflatten, once_per_tx, random_steps, updates_on_tree
+from jax_drain._tx_check import Verdict, compiled, host_unflatten, once_per_tx, random_steps, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
@@ -394,7 +394,21 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
     with the same operations as on the shrunken copy; a transform that acts only above a size
     (Adafactor's factored moments) is refused, since the shrunken check could not see it.
     """
-    real = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(int(d) for d in np.shape(x)), jnp.float32), params)
+    transform_check(tx, params, rtol=rtol)()
+
+
+def transform_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> Verdict:
+    """:func:`check_transform` prepared (traced and compiled, on any thread); the returned
+    :class:`~jax_drain._tx_check.Verdict` runs it on the thread that calls it. The checks that
+    need no run (the abstract trace at the real shapes, a ``tx`` that cannot be traced) refuse
+    here. The same ``tx`` object on the same shapes is prepared once."""
+    leaves, treedef = jax.tree.flatten(params)
+    return _flat_check(tx, treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves), rtol)
+
+
+@once_per_tx
+def _flat_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> Verdict:
+    real = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), real)
     if difference := _shape_dependence(tx, real, abstract):
         raise ValueError(_transform_hint(
@@ -402,23 +416,28 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
             "runs, so flat shards (whose shapes are neither) would not mean the same", difference))
     start, grads = random_steps(abstract)
     try:
-        tree_updates = updates_on_tree(tx, start, grads)
+        on_tree = updates_on_tree(tx, start, grads)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
     layout = BucketLayout.build(abstract, bucket_size=3, shard_multiple=_CHECK_DEVICES)
     try:
-        flat_updates = _updates_on_shards(tx, abstract, layout, start, grads)
+        on_shards = _updates_on_shards(tx, abstract, layout, start, grads)
     except Exception as e:  # noqa: BLE001 - any failure on flat shards means tx cannot run there
         raise ValueError(_transform_hint("tx fails on flat shards", f"{type(e).__name__}: {e}")) from e
-    for step, (want_tree, got_tree) in enumerate(zip(tree_updates, flat_updates)):
-        for path, want, got in zip(leaf_paths(abstract), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
-            want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
-            if np.max(np.abs(got - want), initial=0.0) > rtol * np.max(np.abs(want), initial=0.0) + 1e-30:
-                raise ValueError(_transform_hint(
-                    "tx gives a different result on flat shards than on the parameter tree",
-                    f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
-                    f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
+
+    def run() -> None:
+        flat_updates = [host_unflatten(layout, step) for step in on_shards()]
+        for step, (want_tree, got_tree) in enumerate(zip(on_tree(), flat_updates)):
+            for path, want, got in zip(leaf_paths(abstract), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
+                want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+                if np.max(np.abs(got - want), initial=0.0) > rtol * np.max(np.abs(want), initial=0.0) + 1e-30:
+                    raise ValueError(_transform_hint(
+                        "tx gives a different result on flat shards than on the parameter tree",
+                        f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
+                        f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
+
+    return Verdict(run)
 
 
 def needs_whole_parameters(tx: optax.GradientTransformation, params: PyTree) -> bool:
@@ -542,10 +561,11 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
 
 
 def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
-                       grads: Sequence[PyTree]) -> list[PyTree]:
+                       grads: Sequence[PyTree]) -> Callable[[], list]:
     """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
-    ``_CHECK_DEVICES`` simulated devices, as parameter trees. The shards are cut on the host:
-    only ``tx`` runs under the ``vmap``, where every operation is dispatched for both devices."""
+    ``_CHECK_DEVICES`` simulated devices, as ``[devices, shard]`` buckets: one program (a
+    ``vmap`` over the devices), compiled here, run by the returned call. The shards are cut on
+    the host."""
     num_leaves = len(layout.slots)
     chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), (_CHECK_AXIS,), (),
                         _CHECK_DEVICES, (), (1,) * num_leaves)
@@ -561,9 +581,8 @@ def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layou
             steps.append(updates.shards)
         return steps
 
-    per_device = jax.vmap(one_device, axis_name=_CHECK_AXIS)(_device_shards(layout, start),
-                                                             [_device_shards(layout, g) for g in grads])
-    return [host_unflatten(layout, step) for step in per_device]
+    return compiled(jax.vmap(one_device, axis_name=_CHECK_AXIS), _device_shards(layout, start),
+                    [_device_shards(layout, g) for g in grads])
 
 
 def _device_shards(layout: BucketLayout, tree: PyTree) -> tuple[np.ndarray, ...]:

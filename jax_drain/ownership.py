@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 from jax_drain import _compat
-from jax_drain._tx_check import host_unflatten, once_per_tx, random_steps, updates_on_tree
+from jax_drain._tx_check import Verdict, compiled, host_unflatten, once_per_tx, random_steps, updates_on_tree
 from jax_drain.chain import BucketChain
 from jax_drain.layout import BucketLayout, leaf_paths
 
@@ -325,20 +325,27 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     on the whole tree: a few steps on a shrunken copy of ``params`` (every dimension at most 3),
     the leaves spread over two simulated owners. The same ``tx`` object, passed on the same
     shapes, is not checked again."""
+    per_parameter_check(tx, params, rtol=rtol)()
+
+
+def per_parameter_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> Verdict:
+    """:func:`check_per_parameter` prepared (traced and compiled, on any thread); the returned
+    :class:`~jax_drain._tx_check.Verdict` runs it on the thread that calls it. A ``tx`` that
+    cannot even be traced is refused here."""
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in np.shape(x)), jnp.float32),
                           params)
     leaves, treedef = jax.tree.flatten(shrunk)
-    _check_on_owners(tx, treedef, tuple(x.shape for x in leaves), rtol)
+    return _owners_check(tx, treedef, tuple(x.shape for x in leaves), rtol)
 
 
 @once_per_tx
-def _check_on_owners(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> None:
-    """:func:`check_per_parameter` on the shrunken tree, its leaves spread over two owners."""
+def _owners_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> Verdict:
+    """:func:`per_parameter_check` on the shrunken tree, its leaves spread over two owners."""
     owners = 2
     shrunk = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     start, grads = random_steps(shrunk)
     try:
-        want = updates_on_tree(tx, start, grads, compiled=True)
+        on_tree = updates_on_tree(tx, start, grads)
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
@@ -347,32 +354,40 @@ def _check_on_owners(tx: optax.GradientTransformation, treedef: Any, shapes: tup
     chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), ("owner",), (), owners, (),
                         (1,) * num_leaves)
     owned = OwnedParams.of(tuple((chain, k) for k in range(layout.num_buckets)), shrunk, manual=False)
-    rows = lambda tree, r: tuple(jnp.reshape(b, (owners, -1))[r] for b in layout.flatten(  # noqa: E731
-        jax.tree.map(jnp.asarray, tree)))
-    # Each owner on its own, as the runtime's switch branch for it does. Compiled: the transforms
-    # that need whole parameters loop (Newton-Schulz), and an eager loop compiles at every call.
-    update = jax.jit(tx.update)
-    per_owner = [[] for _ in grads]
-    try:
+    rows = lambda tree, r: tuple(jnp.reshape(b, (owners, -1))[r] for b in layout.flatten(tree))  # noqa: E731
+
+    def each_owner(start: PyTree, grads: list[PyTree]) -> list[list[tuple]]:
+        # Each owner on its own, as the runtime's switch branch for it does.
+        per_owner = [[] for _ in grads]
         for r in range(owners):
             master = rows(start, r)
             state = tx.init(owned.owned_tree(r, master))
             for step, g in enumerate(grads):
-                updates, state = update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
+                updates, state = tx.update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
                 written = owned.write(r, updates, master)
                 master = tuple(m + u for m, u in zip(master, written))
                 per_owner[step].append(written)
+        return per_owner
+
+    try:
+        on_owners = compiled(each_owner, start, list(grads))
     except Exception as e:  # noqa: BLE001 - any failure per owner means tx cannot run there
         raise ValueError(f"tx fails on the parameters each device owns ({type(e).__name__}: {e})") from e
-    per_owner = [[jnp.stack([owner[i] for owner in step]) for i in range(layout.num_buckets)] for step in per_owner]
-    for step, (want_tree, got_shards) in enumerate(zip(want, per_owner)):
-        got_tree = host_unflatten(layout, got_shards)
-        for path, w, g in zip(leaf_paths(shrunk), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
-            w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-            if np.max(np.abs(g - w), initial=0.0) > rtol * np.max(np.abs(w), initial=0.0) + 1e-30:
-                raise ValueError(
-                    "tx gives a different result on the parameters each device owns than on the whole tree "
-                    f"(leaf {path!r}, step {step + 1} of a check on a shrunken copy: update {g.ravel()[:4]} instead "
-                    f"of {w.ravel()[:4]}): it computes something over several parameters. A global norm clip "
-                    "(optax.clip_by_global_norm) must be the optimizer's, over every owner: leave it out of tx and "
-                    "give TrainConfig(max_grad_norm=...) or DistributedOptimizer(..., max_grad_norm=...)")
+
+    def run() -> None:
+        per_owner = [[np.stack([np.asarray(owner[i]) for owner in step]) for i in range(layout.num_buckets)]
+                     for step in on_owners()]
+        for step, (want_tree, got_shards) in enumerate(zip(on_tree(), per_owner)):
+            got_tree = host_unflatten(layout, got_shards)
+            for path, w, g in zip(leaf_paths(shrunk), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
+                w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+                if np.max(np.abs(g - w), initial=0.0) > rtol * np.max(np.abs(w), initial=0.0) + 1e-30:
+                    raise ValueError(
+                        "tx gives a different result on the parameters each device owns than on the whole tree "
+                        f"(leaf {path!r}, step {step + 1} of a check on a shrunken copy: update {g.ravel()[:4]} "
+                        f"instead of {w.ravel()[:4]}): it computes something over several parameters. A global "
+                        "norm clip (optax.clip_by_global_norm) must be the optimizer's, over every owner: leave it "
+                        "out of tx and give TrainConfig(max_grad_norm=...) or DistributedOptimizer(..., "
+                        "max_grad_norm=...)")
+
+    return Verdict(run)

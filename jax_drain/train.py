@@ -114,9 +114,9 @@ from jax_drain.mesh import (
     check_ownership, check_tensor_parallel, leaf_specs, place_leaves,
 )
 from jax_drain.optimizer import (
-    DistributedOptimizer, DistState, check_transform, layout_mismatch, needs_whole_parameters,
+    DistributedOptimizer, DistState, layout_mismatch, needs_whole_parameters, transform_check,
 )
-from jax_drain.ownership import check_per_parameter
+from jax_drain.ownership import check_per_parameter, per_parameter_check
 from jax_drain.order import grad_ready_order, remat_groups
 from jax_drain.scan import ScanGradSync, stacked_leaves
 from jax_drain.shardings import declared_specs, has_boxes, shards_any, unboxed, without_manual_axes
@@ -575,8 +575,8 @@ class TrainStep:
                 state = self._ready(state, batch)
                 batch = self.shard_batch(batch)
                 if self._tx_check is not None:
-                    # The first compile, on its own, while the tx check finishes: the call below
-                    # reuses it, and a refused tx raises before the state is donated.
+                    # The first compile, on its own, while the tx check is prepared: the call
+                    # below reuses it, and a refused tx raises before the state is donated.
                     self._jitted.lower(state, batch).compile()
             self._wait_tx_check()
             return self._jitted(state, batch)
@@ -742,9 +742,9 @@ class TrainStep:
     def _build(self, batch: PyTree) -> None:
         """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
         batch = self._check_batch(batch)
-        # tx is checked on a thread, from here on: its Python work overlaps the compiles of init
-        # and of the first step, which XLA runs without the GIL.
-        check = check_per_parameter if self.ownership == "param" else self._check_element_wise
+        # tx's check is prepared on a thread, from here on: its tracing and compiles overlap the
+        # compiles of init and of the first step; it runs when the first step waits for it.
+        check = per_parameter_check if self.ownership == "param" else self._element_wise_check
         self._tx_check = _Background(check, self.tx, self._abstract_params)
         try:
             self._build_checked(batch)
@@ -769,20 +769,30 @@ class TrainStep:
         whole = owned_possible and needs_whole_parameters(self.tx, self._abstract_params)
         return "param" if whole else "element"
 
-    def _check_element_wise(self, tx: optax.GradientTransformation, params: PyTree) -> None:
-        """:func:`check_transform`; when it refuses ``tx`` and the ownership was left to the
+    def _element_wise_check(self, tx: optax.GradientTransformation, params: PyTree) -> Callable[[], None]:
+        """:func:`transform_check`; when it refuses ``tx`` and the ownership was left to the
         step, the error says whether whole-parameter ownership would run it."""
         try:
-            check_transform(tx, params)
+            verdict, refused_early = transform_check(tx, params), None
         except ValueError as refused:
-            if self.config.ownership is not None:
-                raise
+            verdict, refused_early = None, refused
+
+        def finish() -> None:
             try:
-                check_per_parameter(tx, params)
-            except ValueError:
-                raise refused from None
-            raise ValueError(f"{refused}\n\ntx does treat parameters independently: TrainConfig(ownership='param') "
-                             "runs it on whole parameters, each on the device that owns it") from None
+                if refused_early is not None:
+                    raise refused_early
+                verdict()
+            except ValueError as refused:
+                if self.config.ownership is not None:
+                    raise
+                try:
+                    check_per_parameter(tx, params)
+                except ValueError:
+                    raise refused from None
+                raise ValueError(f"{refused}\n\ntx does treat parameters independently: TrainConfig(ownership='param') "
+                                 "runs it on whole parameters, each on the device that owns it") from None
+
+        return finish
 
     def _build_checked(self, batch: PyTree) -> None:
         """:meth:`_build`'s work, while the tx check runs."""
@@ -1205,9 +1215,10 @@ def make_train_step(
         tx: an optax transform that means the same on flat shards as on the tree; masks and
             clipping via :func:`jax_drain.masked`, :func:`jax_drain.adamw` and
             :func:`jax_drain.clip_by_global_norm` (see :class:`~jax_drain.DistributedOptimizer`).
-            Checked once (:func:`~jax_drain.optimizer.check_transform`), on a thread while init and
-            the first step compile: a refused ``tx`` raises before the first step runs (its state
-            is not donated), or where ``tx`` first fails on flat shards.
+            Checked once (:func:`~jax_drain.optimizer.check_transform`): prepared on a thread while
+            init and the first step compile, run by the first step before it: a refused ``tx``
+            raises before the first step runs (its state is not donated), or where ``tx`` first
+            fails on flat shards.
         mesh: the device mesh; the batch is split over ``config.outer_axis`` and ``config.axis``.
             Collectives in the model (``BatchNorm(axis_name=...)``) name these axes.
         config: :class:`TrainConfig` (defaults if ``None``).
@@ -1375,30 +1386,36 @@ def _describe(value: Any) -> str:
 
 
 class _Background:
-    """``fn(*args)`` on a thread of its own; :meth:`wait` joins it and raises what it raised.
+    """Prepares a check on a thread of its own: ``prepare(*args)`` returns the check to finish
+    with (a :class:`~jax_drain._tx_check.Verdict`). :meth:`wait` joins the thread, raises what
+    it raised, then finishes the check on the waiting thread: preparing runs nothing on a
+    device, so nothing the caller runs beside it meets a program of this thread's.
 
     Not a daemon: an interpreter that exits first waits for it rather than tearing the JAX
     runtime down under it."""
 
-    def __init__(self, fn: Callable[..., Any], *args: Any):
+    def __init__(self, prepare: Callable[..., Callable[[], None]], *args: Any):
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name=f"jax_drain {fn.__name__}")
+        self._finish: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._run, args=(prepare, args),
+                                        name=f"jax_drain {getattr(prepare, '__name__', 'check')}")
         self._thread.start()
 
-    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+    def _run(self, prepare: Callable[..., Callable[[], None]], args: tuple) -> None:
         try:
-            fn(*args)
+            self._finish = prepare(*args)
         except BaseException as e:  # noqa: BLE001 - raised again by the thread that waits
             self._error = e
 
     def join(self) -> None:
-        """Waits for ``fn`` to end, raising nothing."""
+        """Waits for the preparation to end, raising nothing and finishing nothing."""
         self._thread.join()
 
     def wait(self) -> None:
         self._thread.join()
         if self._error is not None:
             raise self._error
+        self._finish()
 
 
 class _AxisContext:
