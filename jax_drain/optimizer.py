@@ -397,11 +397,13 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
     transform_check(tx, params, rtol=rtol)()
 
 
-def transform_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> Verdict:
-    """:func:`check_transform` prepared (traced and compiled, on any thread); the returned
-    :class:`~jax_drain._tx_check.Verdict` runs it on the thread that calls it. The checks that
-    need no run (the abstract trace at the real shapes, a ``tx`` that cannot be traced) refuse
-    here. The same ``tx`` object on the same shapes is prepared once."""
+def transform_check(tx: optax.GradientTransformation, params: PyTree, *,
+                    rtol: float = 1e-4) -> Callable[[], None]:
+    """:func:`check_transform` prepared: traced and lowered, on any thread, with nothing run on a
+    device. Calling the result compiles and runs the check on the calling thread, raising
+    ``ValueError`` if ``tx`` is refused (a pass is remembered). What needs no run (the abstract
+    trace at the real shapes, a ``tx`` that cannot be traced) is refused here. The same ``tx``
+    object on the same shapes is prepared once."""
     leaves, treedef = jax.tree.flatten(params)
     return _flat_check(tx, treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves), rtol)
 

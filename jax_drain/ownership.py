@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -328,10 +328,12 @@ def check_per_parameter(tx: optax.GradientTransformation, params: PyTree, *, rto
     per_parameter_check(tx, params, rtol=rtol)()
 
 
-def per_parameter_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4) -> Verdict:
-    """:func:`check_per_parameter` prepared (traced and compiled, on any thread); the returned
-    :class:`~jax_drain._tx_check.Verdict` runs it on the thread that calls it. A ``tx`` that
-    cannot even be traced is refused here."""
+def per_parameter_check(tx: optax.GradientTransformation, params: PyTree, *,
+                        rtol: float = 1e-4) -> Callable[[], None]:
+    """:func:`check_per_parameter` prepared: traced and lowered, on any thread, with nothing run
+    on a device. Calling the result compiles and runs the check on the calling thread, raising
+    ``ValueError`` if ``tx`` is refused (a pass is remembered). A ``tx`` that cannot even be
+    traced is refused here."""
     shrunk = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in np.shape(x)), jnp.float32),
                           params)
     leaves, treedef = jax.tree.flatten(shrunk)

@@ -1387,7 +1387,7 @@ def _describe(value: Any) -> str:
 
 class _Background:
     """Prepares a check on a thread of its own: ``prepare(*args)`` returns the check to finish
-    with (a :class:`~jax_drain._tx_check.Verdict`). :meth:`wait` joins the thread, raises what
+    with (a call that compiles and runs it). :meth:`wait` joins the thread, raises what
     it raised, then finishes the check on the waiting thread: preparing runs nothing on a
     device, so nothing the caller runs beside it meets a program of this thread's.
 
