@@ -44,8 +44,8 @@ _FAILED = "failed: "
 class PeerTracker:
     """Decides, from what each process last published, which processes are gone.
 
-    Pure bookkeeping over the values read from the key-value store (``{process: value}``) and
-    this process's monotonic clock, so the decision is testable without processes. A value is a
+    Bookkeeping only, over the values read from the key-value store (``{process: value}``) and
+    a clock the caller gives, so the decision is testable without processes or threads. A value is a
     beat (it changes while the process lives), ``"finished"``, or ``"failed: <why>"``.
     """
 
@@ -53,7 +53,7 @@ class PeerTracker:
     count: int
     timeout_seconds: float
     started: float
-    _seen: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)
+    _seen: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def observe(self, values: Mapping[int, str], now: float) -> list[str]:
         """What is wrong with the other processes at time ``now``: one phrase per gone process,

@@ -48,12 +48,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jax_drain.peers import PEER_FAILURE_EXIT
+
 D, H, LAYERS = 32, 64, 2
 
 # A worker started with --coordinator waits at most this long (--timeout) for the other processes
 # to join, then as long again for the run; it exits with PEER_FAILURE_EXIT when they do not come.
 WORKER_TIMEOUT_S, LAUNCH_TIMEOUT_S = 120.0, 240.0
-PEER_FAILURE_EXIT = 4
 
 
 def free_port() -> int:
