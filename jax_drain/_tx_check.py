@@ -5,11 +5,11 @@ Each runs ``tx`` for a few steps on a small random copy of the parameters, once 
 written for and once the way the runtime would, and compares the updates leaf by leaf.
 
 Each check comes in two halves, so that a train step can prepare it on a thread beside its own
-compiles: preparing traces and compiles the check's programs and touches no device; the
-:class:`Verdict` it returns runs them, on the thread that calls it. A program run from a
-second thread while a multi-device program waits in a collective can deadlock XLA:CPU (its
-devices' threads wait on each other until XLA ends the process after its rendezvous timeout),
-so no check runs a program on a thread of its own.
+compiles: preparing traces and compiles the check's programs and runs nothing on a device; the
+:class:`Verdict` it returns runs them, on the thread that calls it. Programs run from a second
+thread while a multi-device program waits in a collective can deadlock XLA:CPU (a device's
+launch waits for programs queued behind it, until XLA ends the process after its rendezvous
+timeout), so no check runs a program on a thread of its own.
 """
 
 from __future__ import annotations
@@ -72,26 +72,48 @@ class Verdict:
                 self._passed = True
 
 
-def compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    """``fn`` traced and lowered for ``args`` now; the returned call compiles it and runs it on
-    ``args``, on the calling thread."""
-    lowered = jax.jit(fn).lower(*args)
-    return lambda: lowered.compile()(*args)
+def stepped(init: Callable[[Any], Any], step: Callable[[Any, Any], tuple[Any, Any]], start: Any,
+            grads: Sequence[Any]) -> Callable[[], list]:
+    """A run of ``tx`` for the checks: ``carry = init(start)``, then ``updates, carry = step(carry,
+    g)`` for each of ``grads``. Both are traced and compiled here, on any thread, with nothing
+    run on a device; the returned call runs them on the calling thread and returns each step's
+    updates. One program per function, not per step: a transform's loops (Muon's Newton-Schulz)
+    compile once."""
 
+    def strong_init(x: Any) -> Any:
+        return _strong(init(x))
 
-def updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> Callable[[], list]:
-    """Each step's updates of ``tx`` run on the parameter tree ``start``: one program, compiled
-    here, run by the returned call."""
+    def strong_step(carry: Any, g: Any) -> tuple[Any, Any]:
+        updates, carry = step(carry, g)
+        return updates, _strong(carry)  # the carry's types stay the init's, step after step
 
-    def steps(tree: PyTree, grads: list[PyTree]) -> list[PyTree]:
-        state, out = tx.init(tree), []
+    init_program = jax.jit(strong_init).lower(start).compile()
+    carry = jax.eval_shape(strong_init, start)
+    step_program = jax.jit(strong_step).lower(carry, grads[0]).compile()
+
+    def run() -> list:
+        carry, out = init_program(start), []
         for g in grads:
-            updates, state = tx.update(g, state, tree)
-            tree = optax.apply_updates(tree, updates)
+            updates, carry = step_program(carry, g)
             out.append(updates)
         return out
 
-    return compiled(steps, start, list(grads))
+    return run
+
+
+def _strong(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jax.numpy.result_type(x)), tree)
+
+
+def updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequence[PyTree]) -> Callable[[], list]:
+    """Each step's updates of ``tx`` run on the parameter tree ``start`` (:func:`stepped`)."""
+
+    def step(carry: tuple[Any, PyTree], g: PyTree) -> tuple[PyTree, tuple[Any, PyTree]]:
+        state, tree = carry
+        updates, state = tx.update(g, state, tree)
+        return updates, (state, optax.apply_updates(tree, updates))
+
+    return stepped(lambda tree: (tx.init(tree), tree), step, start, list(grads))
 
 
 def host_unflatten(layout: BucketLayout, shards: Sequence[jax.Array]) -> PyTree:

@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
-from jax_drain._tx_check import Verdict, compiled, host_unflatten, once_per_tx, random_steps, updates_on_tree
+from jax_drain._tx_check import Verdict, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
@@ -565,26 +565,25 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
 def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
                        grads: Sequence[PyTree]) -> Callable[[], list]:
     """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
-    ``_CHECK_DEVICES`` simulated devices, as ``[devices, shard]`` buckets: one program (a
-    ``vmap`` over the devices), compiled here, run by the returned call. The shards are cut on
-    the host."""
+    ``_CHECK_DEVICES`` simulated devices (a ``vmap``), as ``[devices, shard]`` buckets
+    (:func:`~jax_drain._tx_check.stepped`). The shards are cut on the host."""
     num_leaves = len(layout.slots)
     chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), (_CHECK_AXIS,), (),
                         _CHECK_DEVICES, (), (1,) * num_leaves)
     refs = tuple((chain, k) for k in range(layout.num_buckets))
     view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False)
 
-    def one_device(start_shards: tuple[jax.Array, ...], grad_shards: list[tuple[jax.Array, ...]]) -> list:
+    def init(start_shards: tuple[jax.Array, ...]) -> tuple[Any, FlatShards]:
         master = FlatShards(start_shards, view)
-        state, steps = tx.init(master), []
-        for g in grad_shards:
-            updates, state = tx.update(FlatShards(g, view), state, master)
-            master = optax.apply_updates(master, updates)
-            steps.append(updates.shards)
-        return steps
+        return tx.init(master), master
 
-    return compiled(jax.vmap(one_device, axis_name=_CHECK_AXIS), _device_shards(layout, start),
-                    [_device_shards(layout, g) for g in grads])
+    def step(carry: tuple[Any, FlatShards], grad_shards: tuple[jax.Array, ...]) -> tuple[tuple, tuple]:
+        state, master = carry
+        updates, state = tx.update(FlatShards(grad_shards, view), state, master)
+        return updates.shards, (state, optax.apply_updates(master, updates))
+
+    return stepped(jax.vmap(init, axis_name=_CHECK_AXIS), jax.vmap(step, axis_name=_CHECK_AXIS),
+                   _device_shards(layout, start), [_device_shards(layout, g) for g in grads])
 
 
 def _device_shards(layout: BucketLayout, tree: PyTree) -> tuple[np.ndarray, ...]:

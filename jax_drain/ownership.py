@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 from jax_drain import _compat
-from jax_drain._tx_check import Verdict, compiled, host_unflatten, once_per_tx, random_steps, updates_on_tree
+from jax_drain._tx_check import Verdict, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
 from jax_drain.chain import BucketChain
 from jax_drain.layout import BucketLayout, leaf_paths
 
@@ -358,27 +358,29 @@ def _owners_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple,
     owned = OwnedParams.of(tuple((chain, k) for k in range(layout.num_buckets)), shrunk, manual=False)
     rows = lambda tree, r: tuple(jnp.reshape(b, (owners, -1))[r] for b in layout.flatten(tree))  # noqa: E731
 
-    def each_owner(start: PyTree, grads: list[PyTree]) -> list[list[tuple]]:
-        # Each owner on its own, as the runtime's switch branch for it does.
-        per_owner = [[] for _ in grads]
-        for r in range(owners):
+    def on_owner(r: int) -> Callable[[], list]:
+        # Owner r on its own, as the runtime's switch branch for it does.
+        def init(start: PyTree) -> tuple[Any, tuple]:
             master = rows(start, r)
-            state = tx.init(owned.owned_tree(r, master))
-            for step, g in enumerate(grads):
-                updates, state = tx.update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
-                written = owned.write(r, updates, master)
-                master = tuple(m + u for m, u in zip(master, written))
-                per_owner[step].append(written)
-        return per_owner
+            return tx.init(owned.owned_tree(r, master)), master
+
+        def step(carry: tuple[Any, tuple], g: PyTree) -> tuple[tuple, tuple[Any, tuple]]:
+            state, master = carry
+            updates, state = tx.update(owned.owned_tree(r, rows(g, r)), state, owned.owned_tree(r, master))
+            written = owned.write(r, updates, master)
+            return written, (state, tuple(m + u for m, u in zip(master, written)))
+
+        return stepped(init, step, start, list(grads))
 
     try:
-        on_owners = compiled(each_owner, start, list(grads))
+        owner_runs = [on_owner(r) for r in range(owners)]
     except Exception as e:  # noqa: BLE001 - any failure per owner means tx cannot run there
         raise ValueError(f"tx fails on the parameters each device owns ({type(e).__name__}: {e})") from e
 
     def run() -> None:
-        per_owner = [[np.stack([np.asarray(owner[i]) for owner in step]) for i in range(layout.num_buckets)]
-                     for step in on_owners()]
+        by_owner = [owner_run() for owner_run in owner_runs]
+        per_owner = [[np.stack([np.asarray(steps[t][i]) for steps in by_owner]) for i in range(layout.num_buckets)]
+                     for t in range(len(grads))]
         for step, (want_tree, got_shards) in enumerate(zip(on_tree(), per_owner)):
             got_tree = host_unflatten(layout, got_shards)
             for path, w, g in zip(leaf_paths(shrunk), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
