@@ -87,9 +87,9 @@ def stepped(init: Callable[[Any], Any], step: Callable[[Any, Any], tuple[Any, An
         updates, carry = step(carry, g)
         return updates, _strong(carry)  # the carry's types stay the init's, step after step
 
-    init_program = jax.jit(strong_init).lower(start).compile()
-    carry = jax.eval_shape(strong_init, start)
-    step_program = jax.jit(strong_step).lower(carry, grads[0]).compile()
+    init_lowered = jax.jit(strong_init).lower(start)
+    init_program = init_lowered.compile()
+    step_program = jax.jit(strong_step).lower(init_lowered.out_info, grads[0]).compile()
 
     def run() -> list:
         carry, out = init_program(start), []
@@ -114,6 +114,16 @@ def updates_on_tree(tx: optax.GradientTransformation, start: PyTree, grads: Sequ
         return updates, (state, optax.apply_updates(tree, updates))
 
     return stepped(lambda tree: (tx.init(tree), tree), step, start, list(grads))
+
+
+def first_difference(paths: Sequence[str], want: PyTree, got: PyTree, rtol: float) -> tuple | None:
+    """``(path, want, got)`` of the first leaf whose updates differ by more than ``rtol`` of that
+    leaf's largest update (float64 on the host), or ``None``."""
+    for path, w, g in zip(paths, jax.tree.leaves(want), jax.tree.leaves(got)):
+        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+        if np.max(np.abs(g - w), initial=0.0) > rtol * np.max(np.abs(w), initial=0.0) + 1e-30:
+            return path, w, g
+    return None
 
 
 def host_unflatten(layout: BucketLayout, shards: Sequence[jax.Array]) -> PyTree:

@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
 from jax_drain._jaxpr import call_body, is_literal
-from jax_drain._tx_check import Verdict, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
+from jax_drain._tx_check import Verdict, first_difference, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
 from jax_drain.drain import check_max_in_flight
 from jax_drain.layout import BucketLayout, leaf_paths
@@ -431,13 +431,12 @@ def _flat_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, r
     def run() -> None:
         flat_updates = [host_unflatten(layout, step) for step in on_shards()]
         for step, (want_tree, got_tree) in enumerate(zip(on_tree(), flat_updates)):
-            for path, want, got in zip(leaf_paths(abstract), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
-                want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
-                if np.max(np.abs(got - want), initial=0.0) > rtol * np.max(np.abs(want), initial=0.0) + 1e-30:
-                    raise ValueError(_transform_hint(
-                        "tx gives a different result on flat shards than on the parameter tree",
-                        f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
-                        f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
+            if differs := first_difference(leaf_paths(abstract), want_tree, got_tree, rtol):
+                path, want, got = differs
+                raise ValueError(_transform_hint(
+                    "tx gives a different result on flat shards than on the parameter tree",
+                    f"leaf {path!r}, step {step + 1} of a check on a shrunken copy: update "
+                    f"{got.ravel()[:4]} instead of {want.ravel()[:4]}"))
 
     return Verdict(run)
 

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 from jax_drain import _compat
-from jax_drain._tx_check import Verdict, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
+from jax_drain._tx_check import Verdict, first_difference, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
 from jax_drain.chain import BucketChain
 from jax_drain.layout import BucketLayout, leaf_paths
 
@@ -382,16 +382,14 @@ def _owners_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple,
         per_owner = [[np.stack([np.asarray(steps[t][i]) for steps in by_owner]) for i in range(layout.num_buckets)]
                      for t in range(len(grads))]
         for step, (want_tree, got_shards) in enumerate(zip(on_tree(), per_owner)):
-            got_tree = host_unflatten(layout, got_shards)
-            for path, w, g in zip(leaf_paths(shrunk), jax.tree.leaves(want_tree), jax.tree.leaves(got_tree)):
-                w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-                if np.max(np.abs(g - w), initial=0.0) > rtol * np.max(np.abs(w), initial=0.0) + 1e-30:
-                    raise ValueError(
-                        "tx gives a different result on the parameters each device owns than on the whole tree "
-                        f"(leaf {path!r}, step {step + 1} of a check on a shrunken copy: update {g.ravel()[:4]} "
-                        f"instead of {w.ravel()[:4]}): it computes something over several parameters. A global "
-                        "norm clip (optax.clip_by_global_norm) must be the optimizer's, over every owner: leave it "
-                        "out of tx and give TrainConfig(max_grad_norm=...) or DistributedOptimizer(..., "
-                        "max_grad_norm=...)")
+            if differs := first_difference(leaf_paths(shrunk), want_tree, host_unflatten(layout, got_shards), rtol):
+                path, w, g = differs
+                raise ValueError(
+                    "tx gives a different result on the parameters each device owns than on the whole tree "
+                    f"(leaf {path!r}, step {step + 1} of a check on a shrunken copy: update {g.ravel()[:4]} "
+                    f"instead of {w.ravel()[:4]}): it computes something over several parameters. A global "
+                    "norm clip (optax.clip_by_global_norm) must be the optimizer's, over every owner: leave it "
+                    "out of tx and give TrainConfig(max_grad_norm=...) or DistributedOptimizer(..., "
+                    "max_grad_norm=...)")
 
     return Verdict(run)
