@@ -102,19 +102,6 @@ LEARNING_RATE = 1e-3
 # -- workers: one measurement in this process ----------------------------------------------------
 
 
-def _tensor_parallel_spec(path: str):
-    """Megatron's split of a GPT block over ``"model"``: ``qkv`` and ``fc_in`` by columns, the
-    attention's ``out`` and ``fc_out`` by rows; embeddings and norms replicated. ``path`` is a
-    leaf's ``/``-joined key path, a parameter's or its optimizer state's."""
-    from jax.sharding import PartitionSpec as P
-
-    if path.endswith(("attn/qkv/kernel", "mlp/fc_in/kernel")):
-        return P(None, "model")
-    if path.endswith(("attn/out/kernel", "mlp/fc_out/kernel")):
-        return P("model", None)
-    return P()
-
-
 def _mesh_of(variant: str, make_mesh):
     return make_mesh(*TP_MESH) if variant in ("jit_tp", "jd_gspmd") else make_mesh((8,), ("data",))
 
@@ -125,16 +112,15 @@ def _shardings(variant: str, tree: Any, mesh: Any) -> Any:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jax_drain.models import tensor_parallel_specs
     from jax_drain.planner.plan import fsdp_spec
 
-    def spec(path, leaf):
-        if variant == "jit_fsdp":
-            return fsdp_spec(leaf.shape, mesh.shape["data"])
-        if variant == "jit_tp":
-            return _tensor_parallel_spec(jax.tree_util.keystr(path, simple=True, separator="/"))
-        return P()
-
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, spec(path, leaf)), tree)
+    if variant == "jit_tp":  # the optimizer state's moments split like their parameters
+        specs = tensor_parallel_specs(tree)
+    else:
+        specs = jax.tree.map(lambda leaf: fsdp_spec(leaf.shape, mesh.shape["data"]) if variant == "jit_fsdp" else P(),
+                             tree)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _jit_step(variant: str, loss_fn: Any, tx: Any, params: Any, mesh: Any) -> tuple[Any, Any, Any]:
@@ -159,16 +145,13 @@ def _jit_step(variant: str, loss_fn: Any, tx: Any, params: Any, mesh: Any) -> tu
 
 
 def _jd_config(variant: str, params: Any, **fields: Any):
-    import jax
-
     import jax_drain as jd
+    from jax_drain.models import tensor_parallel_specs
 
     if variant == "jd_zero3":
         return jd.TrainConfig(shard_params=True, **fields)
     if variant == "jd_gspmd":
-        specs = jax.tree_util.tree_map_with_path(
-            lambda path, _: _tensor_parallel_spec(jax.tree_util.keystr(path, simple=True, separator="/")), params)
-        return jd.TrainConfig(tensor_parallel="gspmd", param_specs=specs, **fields)
+        return jd.TrainConfig(tensor_parallel="gspmd", param_specs=tensor_parallel_specs(params), **fields)
     return jd.TrainConfig(**fields)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from jax_drain.layout import leaf_paths
@@ -41,6 +42,7 @@ __all__ = [
     "make_forward",
     "make_loss",
     "example_batch",
+    "tensor_parallel_specs",
     "leaf_paths",
 ]
 
@@ -394,6 +396,36 @@ def make_loss(config: GPTConfig) -> Callable[[Params, Batch], jax.Array]:
         return build(params).loss(batch)
 
     return loss
+
+
+#: Megatron's split of a block: these matrices by columns (their output features) ...
+_COLUMN_PARALLEL = ("attn/qkv/kernel", "mlp/fc_in/kernel")
+#: ... and these by rows, so that each block needs one sum over the model axis per sublayer.
+_ROW_PARALLEL = ("attn/out/kernel", "mlp/fc_out/kernel")
+
+
+def tensor_parallel_specs(params: Params, axis: str = "model") -> Any:
+    """Megatron's tensor-parallel split of a GPT's parameters over ``axis``: ``qkv`` and
+    ``fc_in`` by columns, the attention's ``out`` and ``fc_out`` by rows; embeddings and norms
+    replicated. A scanned stack's leading layer axis is never split. Pass it as
+    ``TrainConfig(tensor_parallel="gspmd", param_specs=...)`` (the model's loss is written for
+    global shapes) or to the planner's ``param_specs``.
+
+    Example::
+
+        >>> specs = tensor_parallel_specs(abstract_params(preset("tiny")))
+        >>> specs["blocks"][0]["mlp"]["fc_in"]["kernel"], specs["blocks"][0]["mlp"]["fc_out"]["kernel"]
+        (P(None, 'model'), P('model', None))
+    """
+    def spec(path: Any, leaf: Any) -> P:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if name.endswith(_COLUMN_PARALLEL):
+            return P(*([None] * (len(leaf.shape) - 1)), axis)
+        if name.endswith(_ROW_PARALLEL):
+            return P(*([None] * (len(leaf.shape) - 2)), axis, None)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def example_batch(config: GPTConfig, batch_size: int, key: jax.Array | None = None) -> Batch:

@@ -6,6 +6,7 @@ must fit, be no slower than every default strategy that fits, and its config mus
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -193,6 +194,94 @@ def test_nothing_fits_names_the_least_memory_and_the_cli_exits_2(tmp_path):
     assert json.loads(path.read_text())["choice"] is None
 
 
+# -- a tensor-parallel mesh --------------------------------------------------------------------
+
+TP_AXES = {"model": 2}
+
+
+def _local_bytes(params, specs, model_size):
+    """Bytes of each device's blocks: a leaf split over the model axis holds 1/model_size of itself."""
+    return sum(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize // (model_size if any(spec) else 1)
+               for p, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
+                   x, jax.sharding.PartitionSpec))))
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_plan():
+    """Every baseline and the drained sync of TINY on ("data", "model") = (4, 2), Megatron's split."""
+    params = jd.models.abstract_params(TINY)
+    specs = jd.models.tensor_parallel_specs(params)
+    batch = jd.models.example_batch(TINY, 4 * 2)
+    report = compare.plan_model(jd.models.make_loss(TINY), params, batch,
+                                ["gspmd", "gspmd_fsdp", "no_comm", "fp32_accum+drain"], num_buckets=24,
+                                progress=False, model_axes=TP_AXES, param_specs=specs)
+    return params, specs, batch, report
+
+
+@pytest.mark.gpu_compile
+def test_tensor_parallel_plans_split_the_parameters_and_price_every_strategy(tensor_parallel_plan):
+    params, specs, batch, report = tensor_parallel_plan
+    assert "tensor parallel over model=2" in report.model
+    local = _local_bytes(params, specs, 2) + _nbytes(batch, 4)
+    assert local < _nbytes(params) + _nbytes(batch, 4)  # the split is not empty
+    floor = report.row("no_comm").plan
+    for name in ("gspmd", "no_comm", "fp32_accum+drain"):
+        p = report.row(name).plan
+        # XLA's arguments are each device's blocks: the specs reached the compiled program.
+        assert p.argument_bytes == local, name
+        assert p.predicted_step_s is not None and p.exposed_comm_s is not None, name
+        assert floor.predicted_step_s <= p.predicted_step_s, name
+    fsdp = report.row("gspmd_fsdp").plan
+    assert fsdp.argument_bytes < local and floor.predicted_step_s <= fsdp.predicted_step_s
+    # The sync reduce-scatters each device's blocks over the 4 data devices, no more.
+    sync = report.row("fp32_accum+drain").plan
+    assert sync.num_buckets and any(c.kind == "all-to-all" and c.group_size == 4 for c in sync.collectives)
+
+
+@pytest.mark.gpu_compile
+def test_tensor_parallel_search_fits_and_its_config_trains_on_the_mesh(tensor_parallel_plan, tmp_path):
+    """The CLI's search with --model-axis: its budget is the drained default's own temp + arguments
+    from the independent plan above; the chosen config carries the specs and trains."""
+    params, specs, batch, report = tensor_parallel_plan
+    budget = _total(report.row("fp32_accum+drain").plan)
+    path = tmp_path / "search.json"
+    code, out, err = _main(["--preset", "tiny", "--layers", "1", "--d-model", "128", "--model-axis", "model=2",
+                            "--memory-budget", repr(budget / 2**20), "--max-compiles", "3", "--json", str(path), "-q"])
+    assert code == 0, err
+    found = json.loads(path.read_text())
+    assert found["model_axes"] == TP_AXES and "tensor parallel over model=2" in out.splitlines()[0]
+    assert "jd.TrainConfig(tensor_parallel='gspmd', param_specs=<the specs searched>, " in out
+    choice = _check_choice(found, budget)
+    # The Python search's TrainConfig of that choice (Search.config) carries the specs.
+    row = dataclasses.replace(_row(choice["strategy"], choice["num_buckets_asked"], 1, 1.0, args=1),
+                              bucket_size=choice["bucket_size"], config=choice["config"])
+    config = search.Search((row,), budget, None, (), 1, 0.0, 0.0, "", "h100", "1x1x8", 8,
+                           model_axes=TP_AXES, param_specs=specs).config()
+    assert config.tensor_parallel == "gspmd" and config.param_specs == specs
+    rng = np.random.default_rng(0)
+    values = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.05, s.dtype), params)
+    data = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), batch)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices("cpu"))
+    step = jd.make_train_step(values, jd.models.make_loss(TINY), optax.sgd(0.1), mesh, config, example_batch=data)
+    state, metrics = step(step.init(), data)
+    assert np.isfinite(float(metrics.loss))
+    assert config.bucket_size == choice["bucket_size"] and config.reduce == choice["config"]["reduce"]
+
+
+@pytest.mark.gpu_compile
+def test_a_tensor_parallel_search_prunes_zero3_with_split_leaves_before_building():
+    """The runtime refuses ZeRO-3 with split leaves on a GSPMD tensor-parallel mesh: the search
+    prunes it with why, instead of a failed row (a trace, no compile)."""
+    params = jd.models.abstract_params(TINY)
+    model = compare.prepare_model(jd.models.make_loss(TINY), params, jd.models.example_batch(TINY, 8),
+                                  model_axes=TP_AXES, param_specs=jd.models.tensor_parallel_specs(params))
+    run = search._Run(model, 2**40, modes=search.SEARCH_MODES, num_buckets=24, max_compiles=1, compiler_options={},
+                      progress=False)
+    assert "gathers whole leaves" in run.why_pruned(search.Candidate(split_leaves=True, shard_params=True), 1024)
+    assert run.why_pruned(search.Candidate(shard_params=True), 1024) is None
+    assert run.why_pruned(search.Candidate(split_leaves=True), 1024) is None
+
+
 # -- without compiling -------------------------------------------------------------------------
 
 
@@ -209,6 +298,19 @@ def test_cli_refuses_what_a_search_cannot_take(capsys):
         search.search_model(mlp_loss, MLP_PARAMS, MLP_BATCH, 0)
     with pytest.raises(ValueError, match="modes must name reduce modes"):
         search.search_model(mlp_loss, MLP_PARAMS, MLP_BATCH, 2**30, modes=("fp64",))
+    for argv, said in ((["--model-axis", "model"], "--model-axis takes NAME=SIZE"),
+                       (["--model-axis", "data=2"], "the data-parallel axis"),
+                       (["--model-axis", "model=3"], "do not divide the 8"),
+                       (["--loss", "x.py:f", "--param-specs", "x.py:s"], "--param-specs needs --model-axis"),
+                       (["--param-specs", "x.py:s"], "--param-specs goes with --loss"),
+                       (["--step", "x.py:f", "--model-axis", "model=2"], "--model-axis does not reach --step")):
+        assert cli.main([*argv, "--memory-budget", "100"]) == 2, argv
+        assert said in capsys.readouterr().err, argv
+    with pytest.raises(ValueError, match="give model_axes .* and param_specs .* together"):
+        compare.prepare_model(mlp_loss, MLP_PARAMS, MLP_BATCH, model_axes={"model": 2})
+    with pytest.raises(ValueError, match=r"param_specs name axes \['tensor'\]"):
+        compare.prepare_model(mlp_loss, MLP_PARAMS, MLP_BATCH, model_axes={"model": 2},
+                              param_specs={"layers": [jax.sharding.PartitionSpec(None, "tensor")] * 8})
 
 
 @pytest.mark.parametrize("candidate", [

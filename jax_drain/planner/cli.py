@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import pathlib
 import re
 import sys
@@ -115,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
                    "(with --loss: require a scanned loss; without it, scanned leaves are found by themselves)")
     p.add_argument("--micro-batch", type=_positive_int,
                    help="sequences per device (preset default 1; or your BATCH's micro_batch=)")
+    p.add_argument("--model-axis", action="append", default=[], metavar="NAME=SIZE",
+                   help="tensor parallel over a mesh axis NAME of SIZE devices besides 'data' (repeat for several); "
+                   "the loss is written for global shapes and XLA partitions it (tensor_parallel='gspmd'). A "
+                   "preset splits its blocks Megatron's way over one such axis; with --loss give --param-specs")
+    p.add_argument("--param-specs", metavar="MODULE:SPECS",
+                   help="with --loss and --model-axis: SPECS() (or SPECS(params)) returns a PartitionSpec per "
+                   "parameter (a prefix of the params pytree) over the --model-axis names")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option, e.g. xla_gpu_experimental_parallel_collective_overlap_limit=2")
     p.add_argument("--memory-budget", type=_positive_mib, metavar="MiB",
@@ -140,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies = _strategy_list(args.strategy)
         options = _xla_options(args.xla_option)
         gpu_devices(args.target, args.topology)  # no usable plugin: its one-line error before any progress
+        _check_tensor_parallel_flags(args)
         if args.memory_budget is not None:
             return _search(args, strategies, options)
         if args.max_compiles is not None:
@@ -148,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report: Plan | Comparison = _plan_user_model(args, strategies, options)
         elif args.step:
             report = _plan_user_step(args, strategies, options)
+        elif args.model_axis:
+            report = _plan_preset_tensor_parallel(args, strategies, options)
         elif strategies and len(strategies) > 1:
             report = _compare_preset(args, strategies, options)
         else:
@@ -205,6 +216,52 @@ def _num_buckets_arg(args: argparse.Namespace) -> int:
 
 def _preset(args: argparse.Namespace) -> models.GPTConfig:
     return preset_config(args.preset, args.layers, args.d_model, args.heads, args.seq, args.scan_layers or None)
+
+
+def _model_axes(args: argparse.Namespace) -> dict[str, int] | None:
+    """``--model-axis NAME=SIZE`` values as ``{name: size}``; ``None`` when not given."""
+    axes: dict[str, int] = {}
+    for pair in args.model_axis:
+        name, sep, size = pair.partition("=")
+        if not sep or not name.isidentifier() or not re.fullmatch(r"[1-9]\d*", size.strip()):
+            raise ValueError(f"--model-axis takes NAME=SIZE (an axis name and a positive integer), got {pair!r}")
+        if name == "data" or name in axes:
+            raise ValueError(f"--model-axis {pair!r}: {name!r} is " + (
+                "the data-parallel axis, which gets the devices the model axes leave" if name == "data"
+                else "given twice"))
+        axes[name] = int(size)
+    return axes or None
+
+
+def _check_tensor_parallel_flags(args: argparse.Namespace) -> None:
+    """``--model-axis`` and ``--param-specs`` refused where they cannot reach, before any compile."""
+    axes = _model_axes(args)
+    if args.param_specs and not args.loss:
+        raise ValueError("--param-specs goes with --loss (a preset splits its blocks Megatron's way by itself)")
+    if args.param_specs and axes is None:
+        raise ValueError("--param-specs needs --model-axis NAME=SIZE for the axes its specs name")
+    if args.loss and axes and not args.param_specs:
+        raise ValueError("--model-axis with --loss needs --param-specs MODULE:SPECS: how each parameter splits")
+    if args.step and axes:
+        raise ValueError("--model-axis does not reach --step: build the tensor-parallel mesh in your FUNCTION "
+                         "(it receives a 'data' mesh), or give your model as --loss/--params/--batch")
+    if axes and not args.loss and len(axes) != 1:
+        raise ValueError(f"a preset splits its blocks over one --model-axis, got {len(axes)}")
+
+
+def _tensor_parallel(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    """``model_axes`` and ``param_specs`` for :func:`plan_model`/:func:`search_model`: from
+    ``--param-specs`` (a user's model) or Megatron's split (a preset); ``{}`` without
+    ``--model-axis``."""
+    axes = _model_axes(args)
+    if axes is None:
+        return {}
+    if args.param_specs:
+        fn = load_callable(args.param_specs, "--param-specs")
+        specs = _call(fn, args.param_specs, "--param-specs", **_offer(fn, {"params": params}))
+    else:
+        specs = models.tensor_parallel_specs(params, next(iter(axes)))
+    return {"model_axes": axes, "param_specs": specs}
 
 
 def _xla_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -350,6 +407,25 @@ def _plan_user_model(args: argparse.Namespace, strategies: list[str] | None, opt
         target=args.target, topology=args.topology, bucket_size=args.bucket_size,
         num_buckets=None if args.bucket_size else _num_buckets_arg(args), compiler_options=options or None,
         scan=True if args.scan_layers else None, name=name, progress=not args.quiet,
+        **_tensor_parallel(args, params),
+    )
+
+
+def _plan_preset_tensor_parallel(args: argparse.Namespace, strategies: list[str] | None,
+                                 options: dict[str, Any]) -> Comparison:
+    """A preset on a tensor-parallel mesh: :func:`plan_model` of its loss, its blocks split
+    Megatron's way, with each data-parallel device's ``--micro-batch`` sequences."""
+    config = _preset(args)
+    params = models.abstract_params(config)
+    tp = _tensor_parallel(args, params)
+    slices, hosts, gpus = parse_topology(args.topology)
+    data = slices * hosts * gpus // math.prod(tp["model_axes"].values())
+    batch = models.example_batch(config, (args.micro_batch or 1) * max(1, data))
+    return plan_model(
+        models.make_loss(config), params, batch, strategies or ("fp32_accum+drain",),
+        target=args.target, topology=args.topology, bucket_size=args.bucket_size,
+        num_buckets=None if args.bucket_size else _num_buckets_arg(args), compiler_options=options or None,
+        scan=True if config.scan_layers else None, name=f"preset {args.preset}", progress=not args.quiet, **tp,
     )
 
 
@@ -366,10 +442,13 @@ def _search(args: argparse.Namespace, strategies: list[str] | None, options: dic
     try:
         if args.loss or args.params or args.batch:
             loss_fn, params, batch, name = _user_model(args)
-            found = search_model(loss_fn, params, batch, budget, name=name, **common)
+            found = search_model(loss_fn, params, batch, budget, name=name, **common,
+                                 **_tensor_parallel(args, params))
         else:
-            found = search_preset(_preset(args), budget, micro_batch=args.micro_batch or 1,
-                                  **{**common, "name": f"preset {args.preset}"})
+            config = _preset(args)
+            found = search_preset(config, budget, micro_batch=args.micro_batch or 1,
+                                  **{**common, "name": f"preset {args.preset}"},
+                                  **_tensor_parallel(args, models.abstract_params(config)))
     except BudgetTooSmall as e:
         if args.json:
             _write_json(args.json, e.search.to_json() if e.search is not None else _empty_search(budget, e))

@@ -26,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jax_drain.mesh import leaf_specs, local_shape, spec_axes
 from jax_drain.order import grad_ready_order
 from jax_drain.planner._report import Progress, mib, pyplot, total_buckets
 from jax_drain.planner.plan import (
@@ -44,6 +46,9 @@ from jax_drain.scan import stacked_leaves
 #: ``jax.jit``, the no-communication floor, and fp32-accumulated reduce-scatter undrained,
 #: drained and streamed.
 DEFAULT_STRATEGIES = ("gspmd", "no_comm", "fp32_accum", "fp32_accum+drain", "fp32_accum_streamed+drain")
+
+#: The data-parallel axis of the planner's meshes.
+DATA_AXIS = "data"
 
 _MIB = 2**20
 # Two temps within this of each other are "close": 10% of the larger, at least 64 KiB.
@@ -324,8 +329,10 @@ class PreparedModel:
 
     ``params``/``batch``: global-shape ``jax.ShapeDtypeStruct`` pytrees; ``order``: the
     gradient-ready order; ``stacked``: the scanned leaves (``None``: no scan); ``mesh``: the
-    compile-only data-parallel mesh of ``target`` GPUs on ``topology``; ``description``: one
-    line for a table's head.
+    compile-only mesh of ``target`` GPUs on ``topology``, data parallel over ``"data"`` and, with
+    ``param_specs`` (one ``PartitionSpec`` per parameter), tensor parallel over the model axes,
+    the loss on global shapes partitioned by XLA;
+    ``description``: one line for a table's head.
     """
 
     loss_fn: Callable[[Any, Any], Any]
@@ -337,26 +344,62 @@ class PreparedModel:
     description: str
     target: str = "h100"
     topology: str = "1x1x8"
+    param_specs: Any = None
 
     @property
     def num_devices(self) -> int:
         return self.mesh.size
 
+    @property
+    def data_size(self) -> int:
+        """The devices the batch is split over (and ZeRO-3 splits the parameters over)."""
+        return int(self.mesh.shape[DATA_AXIS])
+
+    @property
+    def local_params(self) -> Any:
+        """``params`` as each device holds them: its blocks along the model axes."""
+        if self.param_specs is None:
+            return self.params
+        return jax.tree.map(
+            lambda p, spec: jax.ShapeDtypeStruct(local_shape("param", p.shape, spec, self.mesh), p.dtype),
+            self.params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def build_step(self, strategy: Strategy, bucket_size: int, *, groups: Sequence[Any] | None = None) -> Any:
+        """:func:`build_user_step` of this model: ``(step, args, sync)``."""
+        return build_user_step(strategy, self.loss_fn, self.params, self.batch, self.mesh, axis=DATA_AXIS,
+                               bucket_size=bucket_size, order=self.order, stacked=self.stacked, groups=groups,
+                               param_specs=self.param_specs, tensor_parallel="gspmd")
+
     def bucket_size(self, num_buckets: int, *, split_leaves: bool = False, groups: Sequence[Any] | None = None) -> int:
-        """The bucket size (elements) nearest ``num_buckets`` buckets (:func:`bucket_size_for`);
-        of a scanned stack, per layer: each layer's buckets are that count over the layers.
+        """The bucket size (elements) nearest ``num_buckets`` buckets (:func:`bucket_size_for`)
+        of each device's parameter blocks; of a scanned stack, per layer: each layer's buckets
+        are that count over the layers.
 
         Example::
 
             >>> model.bucket_size(12)  # doctest: +SKIP
             786432
         """
-        n = self.num_devices
+        n, params = self.data_size, self.local_params
         if self.stacked is None:
-            return bucket_size_for(self.params, num_buckets, n, self.order, split_leaves=split_leaves, groups=groups)
-        layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(self.params), jax.tree.leaves(self.stacked)) if s)
-        return bucket_size_for(_per_layer(self.params, self.stacked), max(1, round(num_buckets / layers)), n,
+            return bucket_size_for(params, num_buckets, n, self.order, split_leaves=split_leaves, groups=groups)
+        layers = next(p.shape[0] for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(self.stacked)) if s)
+        return bucket_size_for(_per_layer(params, self.stacked), max(1, round(num_buckets / layers)), n,
                                split_leaves=split_leaves)
+
+
+def _model_mesh(n: int, model_axes: Mapping[str, int] | None, target: str, topology: str) -> Any:
+    """The compile-only mesh: ``"data"`` over what ``model_axes`` (name -> size) leave."""
+    axes = dict(model_axes or {})
+    for name, size in axes.items():
+        if name == DATA_AXIS or not isinstance(name, str):
+            raise ValueError(f"model_axes names the tensor-parallel axes besides {DATA_AXIS!r}; got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"model_axes[{name!r}] must be a positive integer, got {size!r}")
+    model = math.prod(axes.values())
+    if n % model:
+        raise ValueError(f"model_axes {axes} take {model} devices, which do not divide the {n} of {topology}")
+    return gpu_mesh((n // model, *axes.values()), (DATA_AXIS, *axes), target=target, topology=topology)
 
 
 def prepare_model(
@@ -368,9 +411,16 @@ def prepare_model(
     topology: str = "1x1x8",
     scan: bool | None = None,
     name: str = "",
+    model_axes: Mapping[str, int] | None = None,
+    param_specs: Any = None,
 ) -> PreparedModel:
     """Checks ``loss_fn``, ``params`` and ``batch`` as :func:`plan_model` takes them (clear
     errors before any compile) and traces what every strategy's step needs once.
+
+    ``model_axes`` (``{"model": 2}``) and ``param_specs`` (a ``PartitionSpec`` per parameter
+    over those axes, a prefix of ``params``) make the mesh tensor parallel; ``loss_fn`` is then
+    written for global shapes and XLA partitions it (``TrainConfig(tensor_parallel="gspmd")``):
+    the model's own ``with_sharding_constraint`` calls over the model axes are kept.
 
     Example::
 
@@ -379,13 +429,26 @@ def prepare_model(
     """
     params = abstract_tree(params, "params")
     batch = abstract_tree(batch, "batch")
+    if (param_specs is None) != (not model_axes):
+        raise ValueError("give model_axes (the tensor-parallel axes and their sizes, e.g. {'model': 2}) and "
+                         "param_specs (how each parameter splits over them) together")
     slices, hosts, gpus = parse_topology(topology)
-    n = slices * hosts * gpus
+    mesh = _model_mesh(slices * hosts * gpus, model_axes, target, topology)
+    n = int(mesh.shape[DATA_AXIS])
+    specs = None
+    if param_specs is not None:
+        specs = jax.tree.unflatten(jax.tree.structure(params), leaf_specs(params, param_specs))
+        unknown = sorted({a for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+                          for a in spec_axes(s)} - set(model_axes))
+        if unknown:
+            raise ValueError(f"param_specs name axes {unknown} that model_axes {dict(model_axes)} lacks")
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         if not leaf.shape or leaf.shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'} has shape {tuple(leaf.shape)}: its leading "
                 f"dimension must divide over the {n} data-parallel devices")
+    # Traced plainly: a loss for global shapes gives the same order and scan on its parameters
+    # whether or not XLA later splits them over the model axes.
     local_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
     try:
         out = jax.eval_shape(loss_fn, params, local_batch)
@@ -403,9 +466,11 @@ def prepare_model(
         if scan:
             raise ValueError("scan=True, but loss_fn scans over no leaf of params")
         stacked = None
-    mesh = gpu_mesh((n,), ("data",), target=target, topology=topology)
     description = (f"{name}: " if name else "") + describe_model(params, batch)
-    return PreparedModel(loss_fn, params, batch, mesh, tuple(order), stacked, description, target, topology)
+    if model_axes:
+        description += ", tensor parallel over " + ", ".join(f"{a}={k}" for a, k in model_axes.items())
+    return PreparedModel(loss_fn, params, batch, mesh, tuple(order), stacked, description, target, topology,
+                         specs)
 
 
 def plan_model(
@@ -422,6 +487,8 @@ def plan_model(
     scan: bool | None = None,
     name: str = "",
     progress: bool = True,
+    model_axes: Mapping[str, int] | None = None,
+    param_specs: Any = None,
 ) -> Comparison:
     """Compiles ``loss_fn``'s gradient step once per strategy on ``topology`` (data parallel over
     every GPU) for compile-only ``target`` GPUs and compares them (:class:`Comparison`).
@@ -430,7 +497,7 @@ def plan_model(
         loss_fn: ``loss_fn(params, batch)``, the per-device mean loss (of this device's part of
             the batch); differentiable in ``params``.
         params, batch: global-shape pytrees of arrays or ``jax.ShapeDtypeStruct``; every batch
-            leaf is split along its leading axis over the devices, params are replicated.
+            leaf is split along its leading axis over the data-parallel devices, params are replicated there.
         strategies: names (``gspmd``, ``gspmd+flags``, ``no_comm``, ``MODE[+drain[K]][+split]``);
             one the runtime cannot build (``+split`` without ``split_leaves``) gets a row saying
             so instead of numbers.
@@ -441,6 +508,10 @@ def plan_model(
         name: a label for the table's head.
         progress: write one line per strategy to stderr while compiling (each takes seconds
             to minutes); ``False``: nothing.
+        model_axes, param_specs: tensor parallel as well: the model axes and their sizes
+            (``{"model": 2}``; the data axis gets the other devices) and each parameter's
+            ``PartitionSpec`` over them; ``loss_fn`` is written for global shapes
+            (:func:`prepare_model`).
 
     Returns:
         A :class:`Comparison`; ``print(...)`` it for the table and the verdict.
@@ -453,8 +524,9 @@ def plan_model(
     parsed = [Strategy.parse(s) if isinstance(s, str) else s for s in strategies]
     if not parsed:
         raise ValueError("give at least one strategy")
-    model = prepare_model(loss_fn, params, batch, target=target, topology=topology, scan=scan, name=name)
-    n, params, order, stacked = model.num_devices, model.params, model.order, model.stacked
+    model = prepare_model(loss_fn, params, batch, target=target, topology=topology, scan=scan, name=name,
+                          model_axes=model_axes, param_specs=param_specs)
+    n, params = model.num_devices, model.params
     if bucket_size is None:
         bucket_size = model.bucket_size(num_buckets or 1)
     itemsize = max(jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
@@ -463,8 +535,7 @@ def plan_model(
     rows = []
     for k, strat in enumerate(parsed):
         try:
-            step, args, sync = build_user_step(strat, loss_fn, params, model.batch, model.mesh,
-                                               bucket_size=bucket_size, order=order, stacked=stacked)
+            step, args, sync = model.build_step(strat, bucket_size)
         except StrategyUnavailable as e:
             shown.unavailable(k, strat.name)
             rows.append(Row(strat.name, unavailable=str(e)))

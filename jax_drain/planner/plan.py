@@ -611,26 +611,35 @@ def build_user_step(
     order: Sequence[int] | None = None,
     stacked: Any = None,
     groups: Sequence[Any] | None = None,
+    param_specs: Any = None,
+    tensor_parallel: str = "gspmd",
 ) -> tuple[Callable[..., Any], tuple[Any, ...], GradSync | ScanGradSync | None]:
     """A jitted gradient step of any ``loss_fn(params, batch)`` with ``strategy`` on ``mesh``
     (data parallel over ``axis``), its abstract inputs (params, batch) and its sync (``None``
     for baselines).
 
     ``params`` and ``batch`` are global-shape pytrees of arrays or ``jax.ShapeDtypeStruct``;
-    the batch is split along its leading axis over ``axis``, params are replicated, and
-    ``loss_fn`` gets this device's part of the batch (its per-device mean loss).
+    the batch is split along its leading axis over ``axis``, params are replicated over it,
+    and ``loss_fn`` gets this device's part of the batch (its per-device mean loss).
+
+    ``param_specs`` (a ``PartitionSpec`` per parameter over the mesh's other axes) makes the
+    step tensor parallel, the parameters split as the specs say on every strategy.
+    ``tensor_parallel`` says how the loss is written, as :class:`jax_drain.TrainConfig`'s:
+    ``"gspmd"`` (global shapes, XLA partitions it) or ``"manual"`` (local blocks and its own
+    collectives over the model axes; the baselines ``gspmd*`` need ``"gspmd"``).
 
     * ``gspmd``/``gspmd+flags``: plain ``jax.jit(jax.grad(loss_fn))``, gradients sharded where
-      their leading dimension divides; XLA places the communication.
+      their leading dimension divides (with ``param_specs``: the first dimension the specs
+      leave free that divides); XLA places the communication.
     * ``gspmd_fsdp``: the same ``jax.jit(jax.grad(loss_fn))`` with params *and* gradients sharded
       over ``axis`` by annotations, as MaxText's ``fsdp`` axis does (ZeRO-3 without an
       optimizer): each leaf along the dimension :func:`fsdp_spec` picks (its smallest one that
       the axis size divides, ``d_model`` for a transformer's weights; never a scanned leaf's
-      layer axis; replicated when none divides), params in and gradients out with
-      that sharding, the batch split over ``axis``. XLA inserts the all-gathers (in the forward,
-      and again in a rematerialised backward) and the gradient reduce-scatters itself; no bucket
-      layout, no scope. XLA flags (combine thresholds, pipelined all-gather, ...) go in as
-      ``compiler_options``.
+      layer axis nor a dimension ``param_specs`` splits; replicated when none divides), params
+      in and gradients out with that sharding, the batch split over ``axis``. XLA inserts the
+      all-gathers (in the forward, and again in a rematerialised backward) and the gradient
+      reduce-scatters itself; no bucket layout, no scope. XLA flags (combine thresholds,
+      pipelined all-gather, ...) go in as ``compiler_options``.
     * ``no_comm``: the same buckets, each reduced over its own chunks locally (drained): the
       sync's work minus the wire, the floor a gradient sync can approach.
     * ``MODE[+drain[K]][+split][+blocks]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
@@ -640,30 +649,22 @@ def build_user_step(
     ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) and, for
     ``+blocks``, ``groups`` (:func:`jax_drain.remat_groups`) are traced from ``loss_fn`` when not
     given. Raises :class:`StrategyUnavailable` for a ``+split`` strategy
-    when the runtime has no ``split_leaves`` option.
+    when the runtime has no ``split_leaves`` option, or for a ``gspmd*`` baseline of a
+    ``"manual"`` loss.
     """
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
-    if strategy.name == "gspmd_fsdp":
-        n = mesh.shape[axis]
-        mask = jax.tree.map(lambda _: False, params) if stacked is None else stacked
-        shardings = jax.tree.map(lambda p, s: NamedSharding(mesh, fsdp_spec(p.shape, n, axis, bool(s))),
-                                 params, mask)
-        step = jax.jit(jax.grad(loss_fn), in_shardings=(shardings, NamedSharding(mesh, P(axis))),
-                       out_shardings=shardings)
-        return step, (params, batch), None
-    if strategy.name in ("gspmd", "gspmd+flags"):
-        n = mesh.shape[axis]
-        grad_spec = lambda p: P(axis) if p.ndim and p.shape[0] % n == 0 else P()
-        step = jax.jit(
-            jax.grad(loss_fn),
-            in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))),
-            out_shardings=jax.tree.map(lambda p: NamedSharding(mesh, grad_spec(p)), params),
-        )
-        return step, (params, batch), None
+    specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
+    if strategy.is_baseline and strategy.name != "no_comm":
+        if tensor_parallel != "gspmd" and param_specs is not None:
+            raise StrategyUnavailable(f"{strategy.name} partitions a loss written for global shapes; this loss runs "
+                                      "on local blocks (tensor_parallel='manual')")
+        return _baseline_step(strategy, loss_fn, params, batch, mesh, axis, specs, stacked)
 
+    tp = {} if param_specs is None else dict(param_specs=param_specs, tensor_parallel=tensor_parallel)
     scanned = stacked is not None and any(jax.tree.leaves(stacked))
-    order = grad_ready_order(loss_fn, params, batch) if order is None else order
-    extra: dict[str, Any] = {}
+    if order is None:
+        order = grad_ready_order(loss_fn, params, batch, **_traced_in(mesh, axis, specs, tp))
+    extra: dict[str, Any] = dict(tp)
     if strategy.split:
         cls = ScanGradSync if scanned and strategy.name != "no_comm" else GradSync
         if not split_supported(cls):
@@ -672,32 +673,86 @@ def build_user_step(
         extra["split_leaves"] = True
     drain = strategy.max_in_flight is not None
     if scanned and strategy.name != "no_comm":
-        scan_sync = ScanGradSync(
+        sync: ChainedSync = ScanGradSync(
             params, mesh, axis=axis, stacked=stacked, bucket_size=bucket_size,
             reduce=strategy.reduce, drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
         )
-        if strategy.zero3:
-            return _zero3_step(scan_sync, loss_fn, batch, axis, strategy.reshard_after_forward)
-        step = jax.jit(_compat.shard_map(scan_sync.value_and_grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
-                                         out_specs=(P(), scan_sync.shard_specs())))
-        return step, (params, batch), scan_sync
-
-    if strategy.blocks:
-        extra["bucket_groups"] = remat_groups(loss_fn, params, batch) if groups is None else groups
-    sync = GradSync(
-        params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
-        drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
-    )
+    else:
+        if strategy.blocks:
+            extra["bucket_groups"] = (remat_groups(loss_fn, params, batch, **_traced_in(mesh, axis, specs, tp))
+                                      if groups is None else groups)
+        sync = GradSync(
+            params, mesh, axis=axis, bucket_size=bucket_size, reduce=strategy.reduce or "fp32_accum",
+            drain=drain, max_in_flight=strategy.max_in_flight, order=order, **extra,
+        )
     if strategy.zero3:
-        return _zero3_step(sync, loss_fn, batch, axis, strategy.reshard_after_forward)
+        return _zero3_step(sync, loss_fn, batch, strategy.reshard_after_forward)
     # no_comm: the sync's work minus the wire (each bucket summed over its own chunks, drained).
     floor = strategy.name == "no_comm"
     fn = _no_comm_grad(sync, loss_fn, sync.shard_specs()) if floor else sync.value_and_grad(loss_fn)
-    step = jax.jit(_compat.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P(axis))))
+    step = jax.jit(sync.shard_map(fn, in_specs=(sync.param_specs, sync.batch_spec),
+                                  out_specs=(P(), sync.shard_specs())))
     return step, (params, batch), sync
 
 
-def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any, axis: str,
+def _traced_in(mesh: Mesh, axis: str, specs: Any, tp: dict[str, Any]) -> dict[str, Any]:
+    """How :func:`grad_ready_order` and :func:`remat_groups` trace a tensor-parallel loss: inside
+    the step's ``shard_map``, manual over ``axis`` only when XLA partitions the loss."""
+    if not tp:
+        return {}
+    return dict(mesh=mesh, in_specs=(specs, P(axis)),
+                axis_names=(axis,) if tp["tensor_parallel"] == "gspmd" else None)
+
+
+def _free_dims(spec: P, ndim: int) -> list[int]:
+    """The dimensions ``spec`` leaves unsplit."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return [d for d in range(ndim) if entries[d] is None]
+
+
+def _add_axis(spec: P, ndim: int, dim: int | None, axis: str) -> P:
+    """``spec`` with ``axis`` on dimension ``dim`` too (unchanged for ``None``)."""
+    if dim is None:
+        return spec
+    entries = list(tuple(spec) + (None,) * (ndim - len(spec)))
+    entries[dim] = axis
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _baseline_step(strategy: Strategy, loss_fn: Callable, params: Any, batch: Any, mesh: Mesh, axis: str,
+                   specs: Any, stacked: Any) -> tuple[Callable[..., Any], tuple[Any, ...], None]:
+    """``gspmd``, ``gspmd+flags`` and ``gspmd_fsdp``: ``jax.jit(jax.grad(loss_fn))``, the params
+    split over the model axes by ``specs``, XLA placing the communication."""
+    n = mesh.shape[axis]
+    mask = jax.tree.map(lambda _: False, params) if stacked is None else stacked
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def grad_spec(p: Any, spec: P) -> P:
+        free = [d for d in _free_dims(spec, p.ndim) if p.shape[d] % n == 0]
+        # Replicated leaves along their leading dimension only; a split one along any free dimension.
+        dim = free[0] if free and (free[0] == 0 or len(_free_dims(spec, p.ndim)) < p.ndim) else None
+        return _add_axis(spec, p.ndim, dim, axis)
+
+    def fsdp(p: Any, spec: P, stacked_leaf: Any) -> P:
+        split = [d for d in range(p.ndim) if d not in _free_dims(spec, p.ndim)]
+        picked = tuple(fsdp_spec(p.shape, n, axis, bool(stacked_leaf), exclude=split))
+        return _add_axis(spec, p.ndim, picked.index(axis) if axis in picked else None, axis)
+
+    param_specs = specs
+    if strategy.name == "gspmd_fsdp":
+        param_specs = jax.tree.map(fsdp, params, specs, mask, is_leaf=is_spec)
+        grad_specs = param_specs
+    else:
+        grad_specs = jax.tree.map(grad_spec, params, specs, is_leaf=is_spec)
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=is_spec)  # noqa: E731
+    step = jax.jit(jax.grad(loss_fn), in_shardings=(named(param_specs), NamedSharding(mesh, P(axis))),
+                   out_shardings=named(grad_specs))
+    return step, (params, batch), None
+
+
+def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any,
                 reshard_after_forward: bool = True) -> tuple[Any, tuple, ChainedSync]:
     """A ZeRO-3 gradient step of ``sync`` and its abstract inputs: the parameter shards (global,
     split like the gradient shards) and the batch. The gathers run one bucket ahead
@@ -706,13 +761,13 @@ def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any, axis: str,
     shards = sync.pack_shards([jax.ShapeDtypeStruct(chain.global_shard_shape(k), chain.layout.buckets[k].dtype)
                                for chain, k in sync.flat_chains])
     grad_fn = zero3.value_and_grad(sync, loss_fn, reshard_after_forward=reshard_after_forward)
-    step = jax.jit(_compat.shard_map(grad_fn, mesh=sync.mesh,
-                                     in_specs=(sync.shard_specs(), P(axis)), out_specs=(P(), sync.shard_specs())))
+    step = jax.jit(sync.shard_map(grad_fn, in_specs=(sync.shard_specs(), sync.batch_spec),
+                                  out_specs=(P(), sync.shard_specs())))
     return step, (shards, batch), sync
 
 
 def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = "data", stacked: bool = False,
-              rule: str = "smallest") -> P:
+              rule: str = "smallest", exclude: Sequence[int] = ()) -> P:
     """The ``gspmd_fsdp`` baseline's ``PartitionSpec`` of one leaf (``rule="smallest"``): its
     smallest dimension that ``axis_size`` divides is sharded over ``axis`` (on a tie the first,
     the most major one); a leaf with no such dimension (a scalar, an odd-sized bias) is
@@ -725,6 +780,8 @@ def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = "data", stacked:
     along its first. XLA then gathers each weight whole and keeps the activations batch-sharded
     (plain ZeRO-3: on the GPT presets all-gathers of exactly 2x the params, forward and
     rematerialised backward, reduce-scatters of exactly 1/axis_size of them, nothing else).
+
+    ``exclude``: dimensions never picked (those a tensor-parallel spec already splits).
 
     ``rule="largest"`` (the largest divisible dimension) is the other rule that needs no axis
     names. Without activation sharding constraints (a plain ``loss_fn`` has none) XLA's
@@ -748,7 +805,7 @@ def fsdp_spec(shape: Sequence[int], axis_size: int, axis: str = "data", stacked:
     """
     if rule not in ("smallest", "largest"):
         raise ValueError(f"fsdp_spec: unknown rule {rule!r}; use 'smallest' or 'largest'")
-    dims = [d for d in range(1 if stacked else 0, len(shape)) if shape[d] % axis_size == 0]
+    dims = [d for d in range(1 if stacked else 0, len(shape)) if shape[d] % axis_size == 0 and d not in exclude]
     if not dims:
         return P()
     sign = 1 if rule == "smallest" else -1

@@ -47,7 +47,7 @@ import dataclasses
 import math
 import pathlib
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ from jax_drain.order import remat_groups
 from jax_drain.planner._report import Progress, mib, pyplot, total_buckets
 from jax_drain.planner.compare import DEFAULT_STRATEGIES, PreparedModel, prepare_model
 from jax_drain.planner.plan import (
-    SCOPE_PREFIX, Plan, PlanError, Strategy, StrategyUnavailable, build_user_step, plan, preset_config,
+    SCOPE_PREFIX, Plan, PlanError, Strategy, StrategyUnavailable, plan, preset_config,
     split_supported,
 )
 from jax_drain.planner.targets import parse_topology
@@ -286,6 +286,10 @@ class Search:
     topology: str
     num_devices: int
     model: str = ""
+    #: The tensor-parallel axes and sizes (``None``: data parallel only) and the parameters'
+    #: specs over them, which every configuration shares.
+    model_axes: Mapping[str, int] | None = None
+    param_specs: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def choice(self) -> SearchRow | None:
@@ -299,7 +303,8 @@ class Search:
 
     def config(self, **overrides: Any) -> TrainConfig:
         """The choice as a :class:`jax_drain.TrainConfig`, with ``overrides`` (any other field:
-        ``microbatches``, ``axis``, ...).
+        ``microbatches``, ``axis``, ...). On a tensor-parallel mesh it carries the searched
+        ``param_specs`` with ``tensor_parallel="gspmd"``.
 
         Example::
 
@@ -309,7 +314,8 @@ class Search:
         if choice is None:
             raise BudgetTooSmall(f"no configuration fits {mib(self.memory_budget_bytes)}: nothing to configure",
                                  self)
-        return TrainConfig(**{**choice.config, **overrides})
+        shared = {} if self.param_specs is None else {"tensor_parallel": "gspmd", "param_specs": self.param_specs}
+        return TrainConfig(**{**shared, **choice.config, **overrides})
 
     def frontier(self) -> list[SearchRow]:
         """The time-memory frontier: each compiled row that no other row beats on both predicted
@@ -327,7 +333,7 @@ class Search:
         (``config``, ``strategy``, ``num_buckets``, ``predicted_step_s``,
         ``temp_plus_args_bytes``, ...; ``None`` when nothing fits), ``memory_budget_bytes``,
         ``floor``, ``compiles``, ``compile_s``, ``search_s``, ``pruned`` (each with why),
-        ``stopped``, ``target``, ``topology``, ``num_devices``, ``model``."""
+        ``stopped``, ``target``, ``topology``, ``num_devices``, ``model``, ``model_axes``."""
         choice, front = self.choice, {id(r) for r in self.frontier()}
         rows = [{**r.to_json(), "frontier": id(r) in front, "chosen": r is choice} for r in self.rows]
         floor = None if self.floor is None else {
@@ -338,7 +344,8 @@ class Search:
                 "memory_budget_bytes": self.memory_budget_bytes, "floor": floor, "compiles": self.compiles,
                 "compile_s": round(self.compile_s, 3), "search_s": round(self.search_s, 3),
                 "pruned": [p.to_json() for p in self.pruned], "stopped": self.stopped, "target": self.target,
-                "topology": self.topology, "num_devices": self.num_devices, "model": self.model}
+                "topology": self.topology, "num_devices": self.num_devices, "model": self.model,
+                "model_axes": None if self.model_axes is None else dict(self.model_axes)}
 
     def table(self) -> str:
         """Every compiled configuration from the least temp + arguments up (``#``: the order
@@ -384,6 +391,8 @@ class Search:
         against = (f"the fastest default strategy that fits, {best.label()}, {_ms(best.predicted_step_s)}"
                    if best is not None else "no default strategy fits")
         fields = ", ".join(f"{k}={v!r}" for k, v in choice.config.items())
+        if self.param_specs is not None:  # too long to print: the specs the search was given
+            fields = f"tensor_parallel='gspmd', param_specs=<the specs searched>, {fields}"
         options = choice.candidate.compiler_options()
         lines = [f"choice: {choice.label()}: {_ms(choice.predicted_step_s)} a step, "
                  f"{mib(choice.temp_plus_args_bytes)} of temp + arguments; {against}.",
@@ -467,12 +476,13 @@ class _Run:
         self.model, self.budget, self.modes, self.max_compiles = model, budget, tuple(modes), max_compiles
         self.num_buckets, self.options = num_buckets, compiler_options
         self.scanned = model.stacked is not None
-        n = model.num_devices
+        n = model.data_size
         batch = _nbytes(model.batch, n)
-        # What the arguments need before any compile: the replicated parameters, or (ZeRO-3)
-        # their 1/n shards, and this device's part of the batch. XLA's argument bytes are these
-        # (checked on the presets); padding of the shards only adds to them.
-        self.args_bound = {False: _nbytes(model.params) + batch, True: _nbytes(model.params, n) + batch}
+        # What the arguments need before any compile: the parameters (this device's blocks along
+        # the model axes), or (ZeRO-3) their 1/n shards, and this device's part of the batch.
+        # XLA's argument bytes are these (checked on the presets); padding only adds to them.
+        params = model.local_params
+        self.args_bound = {False: _nbytes(params) + batch, True: _nbytes(params, n) + batch}
         self.groups = None
         if not self.scanned:
             local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), model.batch)
@@ -492,7 +502,7 @@ class _Run:
         self.compile_s = 0.0
         self.compiles = 0
         self.shown = Progress(progress, max_compiles, model.description, header=(
-            f"searching {model.description} on {n}x {model.target} ({model.topology}) for the fastest step "
+            f"searching {model.description} on {model.num_devices}x {model.target} ({model.topology}) for the fastest step "
             f"within {mib(budget)} (temp + arguments), at most {max_compiles} compiles"))
 
     # -- one candidate -----------------------------------------------------------------------
@@ -506,10 +516,7 @@ class _Run:
 
     def build(self, strategy: Strategy, bucket_size: int) -> _Built:
         """The step of ``strategy`` at ``bucket_size``, built but not compiled."""
-        m = self.model
-        step, args, sync = build_user_step(strategy, m.loss_fn, m.params, m.batch, m.mesh, bucket_size=bucket_size,
-                                           order=m.order, stacked=m.stacked,
-                                           groups=self.groups if strategy.blocks else None)
+        step, args, sync = self.model.build_step(strategy, bucket_size, groups=self.groups if strategy.blocks else None)
         return _Built(strategy, bucket_size, step, args, sync)
 
     def compile(self, built: _Built, options: dict[str, Any]) -> Plan:
@@ -586,6 +593,9 @@ class _Run:
         """Why ``c`` cannot fit or cannot be faster than the choice so far, from what is known;
         ``None`` when only a compile can tell. ``exact_only`` (the defaults, which the choice
         must match): the arguments' bound alone, no rule of thumb."""
+        if c.shard_params and c.split_leaves and self.model.param_specs is not None:
+            return ("ZeRO-3 on a tensor-parallel mesh gathers whole leaves (tensor_parallel='gspmd' with "
+                    "shard_params=True takes split_leaves=False)")
         args = self.args_bound[c.shard_params]
         if args > self.budget:
             what = "the parameter shards" if c.shard_params else "the whole parameters"
@@ -706,6 +716,8 @@ def search_model(
     scan: bool | None = None,
     name: str = "",
     progress: bool = True,
+    model_axes: Mapping[str, int] | None = None,
+    param_specs: Any = None,
 ) -> Search:
     """The configuration of ``loss_fn``'s gradient step with the lowest predicted step time
     whose temp + argument bytes per device fit ``memory_budget`` (module doc: how it searches).
@@ -719,6 +731,9 @@ def search_model(
         max_compiles: at most this many compiles, the floor's included.
         compiler_options: XLA options for every compile.
         progress: one line per compile on stderr.
+        model_axes, param_specs: a tensor-parallel mesh, ``{"model": 2}``, and how each
+            parameter splits over it (:func:`jax_drain.planner.compare.prepare_model`); every
+            configuration then has ``tensor_parallel="gspmd"`` and these ``param_specs``.
 
     Returns:
         A :class:`Search`; ``search.config()`` is the choice as a ``jd.TrainConfig``.
@@ -741,7 +756,8 @@ def search_model(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} must be a positive integer, got {value!r}")
     start = time.perf_counter()
-    model = prepare_model(loss_fn, params, batch, target=target, topology=topology, scan=scan, name=name)
+    model = prepare_model(loss_fn, params, batch, target=target, topology=topology, scan=scan, name=name,
+                          model_axes=model_axes, param_specs=param_specs)
     run = _Run(model, budget, modes=modes, num_buckets=num_buckets, max_compiles=max_compiles,
                compiler_options=dict(compiler_options or {}), progress=progress)
     least = min(run.args_bound.values())
@@ -774,7 +790,8 @@ def search_model(
         while (stopped := run.step()) is None:
             pass
     found = Search(tuple(run.rows), budget, run.floor, tuple(run.pruned), run.compiles, run.compile_s,
-                   time.perf_counter() - start, stopped, target, topology, model.num_devices, model.description)
+                   time.perf_counter() - start, stopped, target, topology, model.num_devices, model.description,
+                   dict(model_axes) if model_axes else None, model.param_specs)
     if found.choice is None:
         smallest = min((r for r in found.rows if r.plan is not None), key=lambda r: r.temp_plus_args_bytes,
                        default=None)
@@ -800,7 +817,9 @@ def search_preset(
 ) -> Search:
     """:func:`search_model` on a built-in GPT preset (:mod:`jax_drain.models`; a name, or a
     :class:`~jax_drain.models.GPTConfig` such as :func:`preset_config`'s) with ``micro_batch``
-    sequences per device; ``options`` as for :func:`search_model`.
+    sequences per data-parallel device; ``options`` as for :func:`search_model`. With
+    ``model_axes={"model": k}`` and no ``param_specs``, the blocks split Megatron's way
+    (:func:`jax_drain.models.tensor_parallel_specs`).
 
     Example::
 
@@ -810,6 +829,12 @@ def search_preset(
     config = preset_config(preset) if isinstance(preset, str) else preset
     slices, hosts, gpus = parse_topology(options.get("topology", "1x1x8"))
     params = models.abstract_params(config)
-    batch = models.example_batch(config, micro_batch * slices * hosts * gpus)
+    model_axes = options.get("model_axes") or {}
+    data = slices * hosts * gpus // max(1, math.prod(model_axes.values()))
+    if model_axes and options.get("param_specs") is None:
+        if len(model_axes) != 1:
+            raise ValueError(f"a preset splits over one model axis (Megatron's split); got model_axes {model_axes}")
+        options["param_specs"] = models.tensor_parallel_specs(params, next(iter(model_axes)))
+    batch = models.example_batch(config, micro_batch * data)
     options.setdefault("name", f"preset {preset if isinstance(preset, str) else 'custom'}")
     return search_model(models.make_loss(config), params, batch, memory_budget, **options)
