@@ -15,7 +15,8 @@ communication, jax_drain's fp32-accumulated reduce-scatter undrained, drained an
 says whether the activations or the gradient sync set the peak. ``params`` and ``batch`` take
 keyword arguments with defaults, so the planner's ``--layers``, ``--d-model``, ``--seq`` and
 ``--micro-batch`` reach them (and it passes ``num_devices``); without such keywords they are
-plain zero-argument functions.
+plain zero-argument functions. ``param_specs`` splits the model over a ``"model"`` axis too
+(``--model-axis model=2 --param-specs examples/plan_my_model.py:param_specs``).
 """
 
 import jax
@@ -50,6 +51,17 @@ def params(layers: int = LAYERS, d_model: int = D_MODEL) -> dict:
         "norm_out": _spec(d_model, dtype=jnp.float32),
         "unembed": _spec(d_model, VOCAB),
     }
+
+
+def param_specs(params: dict) -> dict:
+    """Tensor parallel over a ``"model"`` axis, Megatron's way: ``qkv`` and ``up`` split by
+    columns, ``proj`` and ``down`` by rows, the embeddings over the vocabulary; for
+    ``--model-axis model=2 --param-specs examples/plan_my_model.py:param_specs``."""
+    from jax.sharding import PartitionSpec as P
+
+    columns, rows = P(None, "model"), P("model", None)
+    block = {"norm_attn": P(), "qkv": columns, "proj": rows, "norm_mlp": P(), "up": columns, "down": rows}
+    return {"embed": rows, "blocks": [block] * len(params["blocks"]), "norm_out": P(), "unembed": columns}
 
 
 def batch(micro_batch: int = MICRO_BATCH, seq: int = SEQ, num_devices: int = 8) -> dict:

@@ -269,6 +269,24 @@ def test_tensor_parallel_search_fits_and_its_config_trains_on_the_mesh(tensor_pa
 
 
 @pytest.mark.gpu_compile
+def test_your_model_s_own_specs_reach_the_plan_from_the_cli(tmp_path):
+    spec = importlib.util.spec_from_file_location("plan_my_model_for_tp", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    params, batch = example.params(layers=1, d_model=128), example.batch(micro_batch=2, seq=32)
+    path = tmp_path / "plan.json"
+    code, out, err = _main(["--loss", f"{EXAMPLE}:loss", "--params", f"{EXAMPLE}:params", "--batch",
+                            f"{EXAMPLE}:batch", *TINY_EXAMPLE, "--model-axis", "model=2", "--param-specs",
+                            f"{EXAMPLE}:param_specs", "--strategy", "fp32_accum+drain", "--json", str(path), "-q"])
+    assert code == 0, err
+    (row,) = json.loads(path.read_text())
+    # The batch: micro-batch 2 on each of the 8 devices, split over the 4 data devices.
+    local = _local_bytes(params, example.param_specs(params), 2) + _nbytes(batch, 4)
+    assert row["argument_bytes"] == local and row["predicted_step_s"] is not None
+    assert "tensor parallel over model=2" in out
+
+
+@pytest.mark.gpu_compile
 def test_a_tensor_parallel_search_prunes_zero3_with_split_leaves_before_building():
     """The runtime refuses ZeRO-3 with split leaves on a GSPMD tensor-parallel mesh: the search
     prunes it with why, instead of a failed row (a trace, no compile)."""

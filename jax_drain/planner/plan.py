@@ -691,8 +691,17 @@ def build_user_step(
     floor = strategy.name == "no_comm"
     fn = _no_comm_grad(sync, loss_fn, sync.shard_specs()) if floor else sync.value_and_grad(loss_fn)
     step = jax.jit(sync.shard_map(fn, in_specs=(sync.param_specs, sync.batch_spec),
-                                  out_specs=(P(), sync.shard_specs())))
+                                  out_specs=(P(), sync.shard_specs())),
+                   in_shardings=_placed(sync, (sync.param_specs, sync.batch_spec)))
     return step, (params, batch), sync
+
+
+def _placed(sync: ChainedSync, specs: Any) -> Any:
+    """A ``NamedSharding`` for each of ``specs`` on the sync's mesh: the step's inputs placed as a train
+    step places them. With ``"gspmd"`` the ``shard_map`` states only the data axes, and XLA
+    would otherwise pick the model axes' layout of an argument itself (a gathered embedding
+    replicated, say)."""
+    return jax.tree.map(lambda spec: NamedSharding(sync.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _traced_in(mesh: Mesh, axis: str, specs: Any, tp: dict[str, Any]) -> dict[str, Any]:
@@ -762,7 +771,8 @@ def _zero3_step(sync: ChainedSync, loss_fn: Callable, batch: Any,
                                for chain, k in sync.flat_chains])
     grad_fn = zero3.value_and_grad(sync, loss_fn, reshard_after_forward=reshard_after_forward)
     step = jax.jit(sync.shard_map(grad_fn, in_specs=(sync.shard_specs(), sync.batch_spec),
-                                  out_specs=(P(), sync.shard_specs())))
+                                  out_specs=(P(), sync.shard_specs())),
+                   in_shardings=_placed(sync, (sync.shard_specs(), sync.batch_spec)))
     return step, (shards, batch), sync
 
 
@@ -947,7 +957,8 @@ def build_mesh_step(
     if floor:  # nothing all-reduced over the outer axes either: each replica keeps its own shards
         out_specs = _over_outer_axes(sync, out_specs)
     step = jax.jit(sync.shard_map(_no_comm_grad(sync, loss, out_specs) if floor else sync.value_and_grad(loss),
-                                  in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)))
+                                  in_specs=(sync.param_specs, sync.batch_spec), out_specs=(P(), out_specs)),
+                   in_shardings=_placed(sync, (sync.param_specs, sync.batch_spec)))
     batch = jax.ShapeDtypeStruct((sync.axis_size * sync.outer_size * tokens_per_device, d_model), jnp.float32)
     return step, (params, batch), sync
 
