@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_drain import pipeline as pp
+import jax_drain as jd
+from jax_drain import models, pipeline as pp
 
 from helpers import EPS32, assert_within_rounding, rounding_chain
 
@@ -119,3 +120,97 @@ def test_schedule_sizes_and_refusals():
         call(microbatches=4, schedule="1f1b")
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
         call(microbatches=0)
+
+
+# -- a model's own layer scan, piped -------------------------------------------------------------
+
+
+def _gpt(dtype):
+    return models.GPTConfig(num_layers=4, d_model=32, num_heads=2, seq_len=8, vocab_size=64, scan_layers=True,
+                               param_dtype=dtype)
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 4), 8), ((2, 4), 2), ((4, 2), 2)])
+def test_a_scanned_gpt_piped_unchanged_equals_it_on_one_device(shape, microbatches):
+    """jax_drain's nnx.scan GPT, its loss unchanged: the layer scan found in the trace and piped
+    (micro-batches of 1, 4 and 2 rows against 2 rows per device), loss and gradients against the
+    float64 model on the whole batch."""
+    config = _gpt(jnp.float32)
+    params = models.init_params(config, jax.random.key(0))
+    batch = models.example_batch(config, 16, jax.random.key(1))
+    loss_fn = models.make_loss(config)
+    stacked = jd.stacked_leaves(loss_fn, params, batch)
+    specs = jax.tree.map(lambda m: P("stage") if m else P(), stacked)
+    piped = pp.pipelined(loss_fn, stacked, axis="stage", microbatches=microbatches)
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(shape), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), specs))
+    def step(p, b):  # the mean over the 8 devices' rows, as the one-device loss of the whole batch
+        value, grads = jax.value_and_grad(piped)(p, b)
+        return jax.lax.psum(value, ("data", "stage")) / 8, jax.tree.map(lambda g: g / 8, grads)
+
+    value, grads = step(params, batch)
+    with jax.enable_x64(True):
+        config64 = _gpt(jnp.float64)
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        want_value, want_grads = jax.value_and_grad(models.make_loss(config64))(p64, batch)
+        want_grads = jax.tree.map(np.asarray, want_grads)
+    additions = rounding_chain(jax.grad(loss_fn), params, batch)
+    assert abs(float(value) - float(want_value)) <= additions * EPS32 * float(want_value)
+    # Per leaf, its own largest gradient as the scale: what the backward adds up there.
+    assert_within_rounding(jax.tree.map(np.asarray, grads), want_grads, additions=additions, what="gradients")
+
+
+def _masked_loss(params, batch):
+    """A scanned stack whose body reads a row mask computed from the batch (a loop invariant of
+    one row per carried row), and a plain head."""
+    keep = (batch["m"] > 0).astype(jnp.float32)[:, None]
+    h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * keep, None), batch["x"], params["layers"])[0]
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def test_a_row_mask_the_scan_reads_travels_with_its_rows():
+    rng = np.random.default_rng(2)
+    params = {"layers": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32),
+              "head": jnp.asarray(rng.normal(size=(WIDTH, 2)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32),
+             "m": jnp.asarray(rng.integers(0, 2, size=(8 * ROWS,)), jnp.int32)}
+    stacked = {"layers": True, "head": False}
+    specs = {"layers": P("stage"), "head": P()}
+    piped = pp.pipelined(_masked_loss, stacked, axis="stage", microbatches=6)
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh((2, 4)), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), specs))
+    def step(p, b):
+        value, grads = jax.value_and_grad(piped)(p, b)
+        return jax.lax.psum(value, ("data", "stage")) / 8, jax.tree.map(lambda g: g / 8, grads)
+
+    value, grads = step(params, batch)
+    with jax.enable_x64(True):
+        want_value, want_grads = jax.value_and_grad(_masked_loss)(
+            jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params),
+            {"x": jnp.asarray(batch["x"], jnp.float64), "m": batch["m"]})
+        want_grads = jax.tree.map(np.asarray, want_grads)
+    additions = rounding_chain(jax.grad(_masked_loss), params, batch)
+    assert abs(float(value) - float(want_value)) <= additions * EPS32 * float(want_value)
+    assert_within_rounding(jax.tree.map(np.asarray, grads), want_grads, additions=additions, what="gradients")
+
+
+@pytest.mark.parametrize("loss,match", [
+    (lambda p, b: (lambda s: jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * s, None), b["x"],
+                                                   p["layers"])[0]))(jnp.mean(b["x"])),
+     "computed from the batch but not one row per row"),
+    (lambda p, b: jnp.mean(b["x"] @ p["layers"][0]), "'layers' is used by"),
+    (lambda p, b: jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), b["x"], p["layers"])[1]),
+     "reads a per-layer output"),
+    (lambda p, b: jnp.mean(b["x"]) + 0 * jnp.sum(p["layers"]), "is used by"),
+])
+def test_what_the_pipeline_cannot_give_each_micro_batch_is_refused(loss, match):
+    rng = np.random.default_rng(3)
+    params = {"layers": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, WIDTH)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32)}
+    piped = pp.pipelined(loss, {"layers": True}, axis="stage", microbatches=4)
+    run = jax.shard_map(lambda p, b: jax.lax.psum(piped(p, b), ("data", "stage")), mesh=_mesh((2, 4)),
+                        in_specs=({"layers": P("stage")}, P(("data", "stage"))), out_specs=P())
+    with pytest.raises(ValueError, match=match):
+        run(params, batch)
