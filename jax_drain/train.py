@@ -99,7 +99,7 @@ from flax import nnx
 from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_drain import _compat, zero3
+from jax_drain import _compat, pipeline, zero3
 from jax_drain._host_layout import host_to_params
 from jax_drain.chain import ChainedSync, check_flag, check_microbatches
 from jax_drain.collectives import check_float_dtype, check_wire_dtype
@@ -224,10 +224,23 @@ class TrainConfig:
             ``"int8_accum_streamed"``, or ``fp32_accum`` with a narrower ``wire_dtype`` or bf16
             gradients). The residuals live in ``TrainState.error_feedback`` (one local gradient
             copy per device, with ``shard_params`` too) and stay unchanged on a skipped step.
+        stage_axis, pipeline_microbatches, pipeline_schedule: pipeline parallelism
+            (:mod:`jax_drain.pipeline`): the model's scanned layer stack (found in its traced loss,
+            as ``scan_layers`` finds it) is split into equal stages along ``stage_axis``, each
+            device holding its stage's layers, and runs as a pipeline of
+            ``pipeline_microbatches`` micro-batches (``None``: twice the stages) in the
+            ``pipeline_schedule`` (``"gpipe"``); what runs before and after the stack runs data
+            parallel over ``axis`` and ``stage_axis`` together, and the batch is split over both.
+            Each stage's layers are reduced over ``axis`` only, in their own chain; the other
+            parameters over both. Needs ``example_batch`` (the loss is traced to find the
+            stack). Not yet with ``param_specs`` or declared shardings, ``expert``,
+            ``shard_params``, ``scan_layers=True``, ``split_leaves``, ``error_feedback``,
+            ``ownership="param"`` or ``microbatches > 1``.
 
     Example::
 
         TrainConfig(bucket_size=10_000_000, reduce="fp32_accum", microbatches=4)
+        TrainConfig(axis="data", stage_axis="stage", pipeline_microbatches=8)
         TrainConfig(axis="data", outer_axis="replica", param_specs={"w": P(None, "model")})
     """
 
@@ -258,6 +271,9 @@ class TrainConfig:
     logical_axis_rules: Any = None
     ownership: str | None = None
     bucket_boundaries: str | None = "auto"
+    stage_axis: str | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         if self.bucket_boundaries not in ("auto", "remat", None):
@@ -307,6 +323,34 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"logical_axis_rules must be ((logical name, mesh axis or None), ...), got {rules!r}")
             object.__setattr__(self, "logical_axis_rules", tuple((r[0], _axis_entry(r[1])) for r in rules))
+        self._check_stage_axis(axes + outer)
+
+    def _check_stage_axis(self, data_axes: tuple[str, ...]) -> None:
+        if self.pipeline_schedule not in pipeline.SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {', '.join(pipeline.SCHEDULES)}, got "
+                             f"{self.pipeline_schedule!r}" + (" (1F1B is not built yet)" if self.pipeline_schedule
+                                                              == "1f1b" else ""))
+        if self.stage_axis is None:
+            if self.pipeline_microbatches is not None or self.pipeline_schedule != "gpipe":
+                raise ValueError("pipeline_microbatches and pipeline_schedule set how a stage axis pipelines: give "
+                                 "stage_axis too (e.g. stage_axis='stage')")
+            return
+        if not isinstance(self.stage_axis, str) or self.stage_axis in data_axes:
+            raise ValueError(f"stage_axis must be one mesh axis name besides the data axes {data_axes}, got "
+                             f"{self.stage_axis!r}")
+        m = self.pipeline_microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
+        unsupported = [name for name, on in (
+            ("param_specs", self.param_specs is not None), ("expert", self.expert is not None),
+            ("shard_params=True", self.shard_params), ("scan_layers=True", self.scan_layers is True),
+            ("split_leaves=True", self.split_leaves), ("error_feedback=True", self.error_feedback),
+            ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
+            (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]
+        if unsupported:
+            raise ValueError(f"stage_axis does not work with {', '.join(unsupported)} yet: leave "
+                             f"{'it' if len(unsupported) == 1 else 'them'} out (pipeline_microbatches sets the "
+                             "micro-batches a stage axis pipelines)")
 
     def check_gspmd(self) -> None:
         """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
@@ -420,6 +464,13 @@ class TrainStep:
     ):
         check_mesh(mesh)
         check_array_leaves(params)
+        #: The stage axis and its micro-batches (:attr:`TrainConfig.stage_axis`); ``None``: no pipeline.
+        self.stage_axis, self.pipeline_microbatches = config.stage_axis, None
+        if config.stage_axis is not None:
+            if shards_any(declared):
+                raise ValueError("stage_axis does not work with tensor parallel yet, and the model declares "
+                                 "shardings on its parameters: give a model without them")
+            config, loss, self.pipeline_microbatches = _staged(config, loss, params, model_state, mesh, example_batch)
         # The specs: param_specs if given, else those the model declares; the mode from them.
         specs = config.param_specs if config.param_specs is not None else declared
         mode = config.tensor_parallel
@@ -918,20 +969,12 @@ class TrainStep:
 
     def _with_bound_axes(self, loss: Callable[[PyTree, PyTree], jax.Array]) -> Callable[[PyTree, PyTree], jax.Array]:
         """``loss`` traced outside ``shard_map`` with the names of the axes it runs manual over
-        bound (size-1 ``vmap`` axes), so that its collectives over them trace: the data axes
-        (``BatchNorm(axis_name="data")``) and, with hand-written tensor parallel, every mesh axis."""
+        bound (:func:`_bound_axes`): the data axes (``BatchNorm(axis_name="data")``) and, with
+        hand-written tensor parallel, every mesh axis."""
         axes = self.config.data_axes
         if self.tensor_parallel != "gspmd":
             axes = axes + tuple(a for a in self.mesh.axis_names if a not in axes)
-
-        def bound(p: PyTree, b: PyTree) -> jax.Array:
-            fn = lambda b: loss(p, b)
-            for name in reversed(axes):
-                fn = jax.vmap(fn, axis_name=name)
-            ones = (1,) * len(axes)
-            return fn(jax.tree.map(lambda x: jnp.reshape(x, ones + x.shape), b))
-
-        return bound
+        return _bound_axes(loss, axes)
 
     def _ready(self, state: Any, batch: PyTree) -> TrainState:
         if self.optimizer is None:
@@ -1183,6 +1226,61 @@ def global_batch_shape(rows: PyTree) -> PyTree:
                          f"{jax.tree.map(np.shape, rows)}")
     processes = jax.process_count()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * processes, *np.shape(x)[1:]), x.dtype), rows)
+
+
+def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params: PyTree, model_state: PyTree,
+            mesh: Mesh, example_batch: PyTree | None) -> tuple[TrainConfig, Callable[..., tuple[Any, PyTree]], int]:
+    """A stage axis as the layout the rest of the step already runs: the config with the stage
+    axis among the data axes, the stacked leaves split over it along their layer axis and
+    reduced over the data axes alone (an expert-style chain), the loss with its layer scan piped
+    (:func:`jax_drain.pipeline.pipelined`); and the micro-batches."""
+    stage = config.stage_axis
+    if example_batch is None:
+        raise ValueError("stage_axis: give make_train_step an example_batch, so that the loss is traced to find the "
+                         "layer stack the stages split")
+    check_mesh_axes(mesh, config.data_axes + (stage,), "TrainConfig axis / outer_axis / stage_axis")
+    stages = int(mesh.shape[stage])
+    data_axes = config.data_axes + (stage,)
+    rows = axes_size(mesh, data_axes)
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // rows, *np.shape(x)[1:]), x.dtype),
+                         example_batch)
+    scalar = lambda p, b: split_output(loss(p, model_state, b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
+    try:
+        mask = stacked_leaves(_bound_axes(scalar, data_axes), _abstract(params), local)
+    except Exception as e:
+        raise ValueError(f"stage_axis: could not trace the loss to find its layer stack: {type(e).__name__}: {e}") from e
+    stacked = [path for path, m in zip(leaf_paths(params), jax.tree.leaves(mask)) if m]
+    if not stacked:
+        raise ValueError("stage_axis splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
+                         "parameters), and the loss scans over none of its parameters")
+    layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m})
+    if len(layers) != 1 or layers[0] % stages:
+        raise ValueError(f"stage_axis: the stack has {' or '.join(map(str, layers))} layers, which {stages} stages do "
+                         f"not split equally (the stacked leaves: {stacked[:3]}{'...' if len(stacked) > 3 else ''})")
+    microbatches = config.pipeline_microbatches or 2 * stages
+    axis = as_axes(config.axis, "axis")
+    derived = dataclasses.replace(
+        config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
+        param_specs=jax.tree.map(lambda m: P(stage) if m else P(), mask), tensor_parallel="manual",
+        scan_layers=False, stage_axis=None, pipeline_microbatches=None)
+    piped_fn = lambda p, state, b, device: pipeline.pipelined(  # noqa: E731
+        lambda p_, b_: loss(p_, state, b_, device), mask, axis=stage, microbatches=microbatches,
+        schedule=config.pipeline_schedule)(p, b)
+    return derived, piped_fn, microbatches
+
+
+def _bound_axes(loss: Callable[[PyTree, PyTree], jax.Array], axes: Sequence[str]) -> Callable[[PyTree, PyTree], jax.Array]:
+    """``loss`` traced outside ``shard_map`` with the names of ``axes`` bound (size-1 ``vmap``
+    axes), so that its collectives over them trace."""
+
+    def bound(p: PyTree, b: PyTree) -> jax.Array:
+        fn = lambda b: loss(p, b)  # noqa: E731
+        for name in reversed(tuple(axes)):
+            fn = jax.vmap(fn, axis_name=name)
+        ones = (1,) * len(axes)
+        return fn(jax.tree.map(lambda x: jnp.reshape(x, ones + x.shape), b))
+
+    return bound
 
 
 def make_train_step(

@@ -8,13 +8,17 @@ the float32 rounding of the computation (counted from its jaxpr).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_drain as jd
 from jax_drain import models, pipeline as pp
 
-from helpers import EPS32, assert_within_rounding, rounding_chain
+from helpers import (
+    EPS32, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds,
+)
 
 LAYERS, WIDTH, ROWS = 8, 16, 3  # ROWS: rows of the batch on each device
 
@@ -214,3 +218,104 @@ def test_what_the_pipeline_cannot_give_each_micro_batch_is_refused(loss, match):
                         in_specs=({"layers": P("stage")}, P(("data", "stage"))), out_specs=P())
     with pytest.raises(ValueError, match=match):
         run(params, batch)
+
+
+# -- through TrainConfig(stage_axis=...) ---------------------------------------------------------
+
+STEPS = 3
+
+
+def _gpt_step(shape, microbatches, batch):
+    config = _gpt(jnp.float32)
+    model = models.GPT(config, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    step = jd.make_train_step(model, lambda m, b: m.loss(b), optax.sgd(0.5, momentum=0.9), _mesh(shape),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=microbatches, bucket_size=4096),
+                              example_batch=batch)
+    return config, params, step
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 4), 8), ((4, 2), 4)])
+def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, tmp_path):
+    """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"): each device holds its
+    stage's layers, and SGD with momentum follows one-device optax on whole batches within the
+    rounding of its gradients (the one-place step's chain, plus the 8 devices and the
+    micro-batches summed)."""
+    batches = [models.example_batch(_gpt(jnp.float32), 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
+    config, params, step = _gpt_step(shape, microbatches, batches[0])
+    assert (step.stage_axis, step.pipeline_microbatches) == ("stage", microbatches)
+    state = step.init()
+    stages = shape[1]
+    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+        held = {s.data.shape for s in x.addressable_shards}
+        if "blocks" in jax.tree_util.keystr(path):  # this stage's layers only
+            assert held == {(config.num_layers // stages, *x.shape[1:])}, path
+        else:
+            assert held == {x.shape}, path
+    for batch in batches[:STEPS]:
+        state, metrics = step(state, batch)
+        assert not bool(metrics.skipped)
+    loss_fn = models.make_loss(config)
+    want, _, gradients = reference_run(loss_fn, params, optax.sgd(0.5, momentum=0.9), batches[:STEPS])
+    additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + microbatches
+    bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.5, momentum=0.9, params=params)
+    assert_within(jax.device_get(state.params), want, bounds[-1], what=f"{shape} after {STEPS} steps")
+
+    # Saved, restored into a fresh step, run on: the same losses, bit for bit.
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    continued = [float(step(state, b)[1].loss) for b in batches[STEPS:STEPS + 1]]
+    _, _, fresh = _gpt_step(shape, microbatches, batches[0])
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
+    assert [float(fresh(restored, b)[1].loss) for b in batches[STEPS:STEPS + 1]] == continued
+
+
+def _stack_loss(params, batch):
+    h = jax.lax.scan(lambda h, w: (layer(h, w), None), batch["x"], params["layers"])[0]
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state():
+    rng = np.random.default_rng(4)
+    params, x = _problem(4)
+    params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
+              "head": jnp.asarray(rng.normal(size=(WIDTH, 2)), jnp.float32)}
+    batch = {"x": jnp.asarray(x, jnp.float32)}
+    step = jd.make_train_step(params, _stack_loss, optax.adam(1e-2), _mesh((2, 4)),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4), example_batch=batch)
+    state, _ = step(step.init(), batch)
+    before = jax.device_get(state)
+    bad = {"x": batch["x"].at[5, 3].set(jnp.nan)}  # a row of one device of one stage
+    state, metrics = step(state, bad)
+    assert bool(metrics.skipped)
+    assert all(np.array_equal(a, b, equal_nan=True)
+               for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before.params)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(state.opt_state)),
+                                                    jax.tree.leaves(before.opt_state)))
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(stage_axis="stage", shard_params=True), "stage_axis does not work with shard_params=True yet"),
+    (dict(stage_axis="stage", microbatches=2), "microbatches=2"),
+    (dict(pipeline_microbatches=4), "give stage_axis too"),
+    (dict(stage_axis="stage", pipeline_schedule="1f1b"), "1F1B is not built yet"),
+    (dict(stage_axis="data"), "besides the data axes"),
+])
+def test_a_stage_axis_refuses_what_it_does_not_do_yet(options, match):
+    with pytest.raises(ValueError, match=match):
+        jd.TrainConfig(**options)
+
+
+def test_a_stage_axis_needs_a_stack_the_stages_split():
+    params, x = _problem()
+    params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
+              "head": jnp.ones((WIDTH, 2), jnp.float32)}
+    batch = {"x": jnp.asarray(x, jnp.float32)}
+    config = jd.TrainConfig(stage_axis="stage")
+    with pytest.raises(ValueError, match="give make_train_step an example_batch"):
+        jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), config)
+    with pytest.raises(ValueError, match="scans over none of its parameters"):
+        jd.make_train_step(params, lambda p, b: jnp.mean(b["x"] @ p["head"]) + 0 * jnp.sum(p["layers"]["bias"]),
+                           optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
+    with pytest.raises(ValueError, match="the stack has 8 layers, which 3 stages do not split equally"):
+        mesh = Mesh(np.array(jax.devices("cpu")[:6]).reshape(2, 3), ("data", "stage"))
+        jd.make_train_step(params, _stack_loss, optax.sgd(0.1), mesh, config, example_batch={"x": batch["x"][:18]})
