@@ -1244,15 +1244,25 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     rows = axes_size(mesh, data_axes)
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // rows, *np.shape(x)[1:]), x.dtype),
                          example_batch)
-    scalar = lambda p, b: split_output(loss(p, model_state, b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
+    # Traced with the model's other state as an input too: per-layer state is scanned with the layers.
+    scalar = lambda ps, b: split_output(loss(ps[0], ps[1], b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
     try:
-        mask = stacked_leaves(_bound_axes(scalar, data_axes), _abstract(params), local)
+        mask, state_mask = stacked_leaves(_bound_axes(scalar, data_axes), (_abstract(params), _abstract(model_state)),
+                                          local)
     except Exception as e:
         raise ValueError(f"stage_axis: could not trace the loss to find its layer stack: {type(e).__name__}: {e}") from e
+    per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
+    if per_layer:
+        raise ValueError(f"stage_axis: the layer scan also scans model state that is not a parameter ({per_layer[:3]}"
+                         f"{'...' if len(per_layer) > 3 else ''}: per-layer batch statistics or RNG keys); each stage "
+                         "would need its own layers' share of it, which is not supported yet")
     stacked = [path for path, m in zip(leaf_paths(params), jax.tree.leaves(mask)) if m]
     if not stacked:
         raise ValueError("stage_axis splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
                          "parameters), and the loss scans over none of its parameters")
+    if all(jax.tree.leaves(mask)):
+        raise ValueError("stage_axis: every parameter is in the layer stack; a step with a stage axis needs one "
+                         "outside it too (an embedding, a head or a final norm), which is not supported yet")
     layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m})
     if len(layers) != 1 or layers[0] % stages:
         raise ValueError(f"stage_axis: the stack has {' or '.join(map(str, layers))} layers, which {stages} stages do "

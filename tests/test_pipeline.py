@@ -342,3 +342,43 @@ def test_a_stage_axis_checkpoint_moves_to_other_stage_counts_and_to_no_pipeline(
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
                                                         jax.tree.leaves(saved.params))), name
         assert np.isfinite(float(other(restored, batch)[1].loss)), name
+
+
+class _NormBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.norm = nnx.BatchNorm(WIDTH, use_running_average=True, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.norm(self.linear(x)))
+
+
+class _NormStack(nnx.Module):
+    """Flax's scan-over-layers pattern: blocks made under nnx.vmap, run under nnx.scan; each
+    block's BatchNorm statistics are per-layer state beside its parameters."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(axis_size=LAYERS)
+        def blocks(rngs):
+            return _NormBlock(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x, _ = nnx.scan(lambda h, block: (block(h), None))(x, self.blocks)
+        return self.head(x)
+
+
+def test_a_stack_with_per_layer_state_or_nothing_outside_it_is_refused():
+    batch = {"x": jnp.asarray(np.random.default_rng(6).normal(size=(8 * ROWS, WIDTH)), jnp.float32)}
+    config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4)
+    with pytest.raises(ValueError, match=r"scans model state that is not a parameter \(\[.*norm/mean"):
+        jd.make_train_step(_NormStack(nnx.Rngs(1)), lambda m, b: jnp.mean(m(b["x"]) ** 2), optax.sgd(0.1),
+                           _mesh((2, 4)), config, example_batch=batch)
+    params, _ = _problem()
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    with pytest.raises(ValueError, match="every parameter is in the layer stack"):
+        jd.make_train_step(params, lambda p, b: jnp.mean(stack(p, b["x"]) ** 2), optax.sgd(0.1), _mesh((2, 4)),
+                           config, example_batch=batch)
