@@ -233,8 +233,9 @@ class TrainConfig:
             parallel over ``axis`` and ``stage_axis`` together, and the batch is split over both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
-            stack). Not yet with ``param_specs`` or declared shardings, ``expert``,
-            ``shard_params``, ``scan_layers=True``, ``split_leaves``, ``error_feedback``,
+            stack). With ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
+            layers. Not yet with tensor parallelism (``param_specs`` or declared shardings),
+            ``expert``, ``scan_layers=True``, ``split_leaves``, ``error_feedback``,
             ``ownership="param"`` or ``microbatches > 1``.
 
     Example::
@@ -343,7 +344,7 @@ class TrainConfig:
             raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
         unsupported = [name for name, on in (
             ("param_specs", self.param_specs is not None), ("expert", self.expert is not None),
-            ("shard_params=True", self.shard_params), ("scan_layers=True", self.scan_layers is True),
+            ("scan_layers=True", self.scan_layers is True),
             ("split_leaves=True", self.split_leaves), ("error_feedback=True", self.error_feedback),
             ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
             (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]
@@ -1247,7 +1248,9 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     # Traced with the model's other state as an input too: per-layer state is scanned with the layers.
     scalar = lambda ps, b: split_output(loss(ps[0], ps[1], b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
     try:
-        mask, state_mask = stacked_leaves(_bound_axes(scalar, data_axes), (_abstract(params), _abstract(model_state)),
+        # Every mesh axis bound, as a loss on local blocks sees them.
+        bound = data_axes + tuple(a for a in mesh.axis_names if a not in data_axes)
+        mask, state_mask = stacked_leaves(_bound_axes(scalar, bound), (_abstract(params), _abstract(model_state)),
                                           local)
     except Exception as e:
         raise ValueError(f"stage_axis: could not trace the loss to find its layer stack: {type(e).__name__}: {e}") from e

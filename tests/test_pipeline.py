@@ -225,33 +225,37 @@ def test_what_the_pipeline_cannot_give_each_micro_batch_is_refused(loss, match):
 STEPS = 3
 
 
-def _gpt_step(shape, microbatches, batch):
+def _gpt_step(shape, microbatches, batch, shard_params=False):
     config = _gpt(jnp.float32)
     model = models.GPT(config, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     step = jd.make_train_step(model, lambda m, b: m.loss(b), optax.sgd(0.5, momentum=0.9), _mesh(shape),
-                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=microbatches, bucket_size=4096),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=microbatches, bucket_size=4096,
+                                             shard_params=shard_params),
                               example_batch=batch)
     return config, params, step
 
 
-@pytest.mark.parametrize("shape,microbatches", [((2, 4), 8), ((4, 2), 4)])
-def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, tmp_path):
-    """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"): each device holds its
-    stage's layers, and SGD with momentum follows one-device optax on whole batches within the
-    rounding of its gradients (the one-place step's chain, plus the 8 devices and the
-    micro-batches summed)."""
+@pytest.mark.parametrize("shape,microbatches,shard_params", [((2, 4), 8, False), ((4, 2), 4, True)])
+def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, shard_params, tmp_path):
+    """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"), ZeRO-1 and ZeRO-3: each
+    device holds its stage's layers (with ZeRO-3, its shard of them), and SGD with momentum
+    follows one-device optax on whole batches within the rounding of its gradients (the
+    one-place step's chain, plus the 8 devices and the micro-batches summed)."""
     batches = [models.example_batch(_gpt(jnp.float32), 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
-    config, params, step = _gpt_step(shape, microbatches, batches[0])
+    config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params)
     assert (step.stage_axis, step.pipeline_microbatches) == ("stage", microbatches)
     state = step.init()
     stages = shape[1]
-    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
-        held = {s.data.shape for s in x.addressable_shards}
-        if "blocks" in jax.tree_util.keystr(path):  # this stage's layers only
-            assert held == {(config.num_layers // stages, *x.shape[1:])}, path
-        else:
-            assert held == {x.shape}, path
+    if shard_params:
+        assert isinstance(state.params, jd.zero3.ParamShards)
+    else:
+        for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+            held = {s.data.shape for s in x.addressable_shards}
+            if "blocks" in jax.tree_util.keystr(path):  # this stage's layers only
+                assert held == {(config.num_layers // stages, *x.shape[1:])}, path
+            else:
+                assert held == {x.shape}, path
     for batch in batches[:STEPS]:
         state, metrics = step(state, batch)
         assert not bool(metrics.skipped)
@@ -259,12 +263,13 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
     want, _, gradients = reference_run(loss_fn, params, optax.sgd(0.5, momentum=0.9), batches[:STEPS])
     additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + microbatches
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.5, momentum=0.9, params=params)
-    assert_within(jax.device_get(state.params), want, bounds[-1], what=f"{shape} after {STEPS} steps")
+    got = step.master_params(state) if shard_params else state.params
+    assert_within(jax.device_get(got), want, bounds[-1], what=f"{shape} after {STEPS} steps")
 
     # Saved, restored into a fresh step, run on: the same losses, bit for bit.
     jd.save_checkpoint(tmp_path / "ckpt", state)
     continued = [float(step(state, b)[1].loss) for b in batches[STEPS:STEPS + 1]]
-    _, _, fresh = _gpt_step(shape, microbatches, batches[0])
+    _, _, fresh = _gpt_step(shape, microbatches, batches[0], shard_params)
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
     assert [float(fresh(restored, b)[1].loss) for b in batches[STEPS:STEPS + 1]] == continued
 
@@ -294,7 +299,8 @@ def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state():
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(stage_axis="stage", shard_params=True), "stage_axis does not work with shard_params=True yet"),
+    (dict(stage_axis="stage", split_leaves=True), "stage_axis does not work with split_leaves=True yet"),
+    (dict(stage_axis="stage", param_specs={"w": None}), "param_specs"),
     (dict(stage_axis="stage", microbatches=2), "microbatches=2"),
     (dict(pipeline_microbatches=4), "give stage_axis too"),
     (dict(stage_axis="stage", pipeline_schedule="1f1b"), "1F1B is not built yet"),
