@@ -388,3 +388,25 @@ def test_a_stack_with_per_layer_state_or_nothing_outside_it_is_refused():
     with pytest.raises(ValueError, match="every parameter is in the layer stack"):
         jd.make_train_step(params, lambda p, b: jnp.mean(stack(p, b["x"]) ** 2), optax.sgd(0.1), _mesh((2, 4)),
                            config, example_batch=batch)
+
+
+@pytest.mark.gpu_compile
+def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedule():
+    """Compile-only 8xH100, (data, stage) = (2, 4), XLA allowed 4 collectives in flight: the
+    stage's layer chain (4 buckets) keeps one bucket in flight drained, and 3 undrained."""
+    from jax_drain.planner.plan import plan
+    from jax_drain.planner.targets import gpu_mesh
+
+    config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=512, scan_layers=True)
+    params, batch = models.abstract_params(config), models.example_batch(config, 16)
+    in_flight = {}
+    for drain in (True, False):
+        step = jd.make_train_step(params, models.make_loss(config), optax.adamw(1e-4), gpu_mesh((2, 4), ("data", "stage")),
+                                  jd.TrainConfig(stage_axis="stage", pipeline_microbatches=8, bucket_size=40_000,
+                                                 drain=drain), example_batch=batch)
+        layers = next(chain for chain in step.sync.chains if chain.axes == ("data",))
+        assert layers.layout.num_buckets == 4
+        report = plan(step, step.abstract_state(), batch,
+                      compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 4})
+        in_flight[drain] = report.chains_in_flight["expert"]
+    assert in_flight == {True: 1, False: 3}
