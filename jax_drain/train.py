@@ -465,7 +465,7 @@ class TrainStep:
     ):
         check_mesh(mesh)
         check_array_leaves(params)
-        #: The stage axis and its micro-batches (:attr:`TrainConfig.stage_axis`); ``None``: no pipeline.
+        #: The stage axis and its micro-batches (``TrainConfig.stage_axis``); ``None``: no pipeline.
         self.stage_axis, self.pipeline_microbatches = config.stage_axis, None
         if config.stage_axis is not None:
             if shards_any(declared):

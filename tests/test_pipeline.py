@@ -1,8 +1,10 @@
 """The stage axis: a layer stack run as a GPipe pipeline equals the stack run in one place.
 
-On 8 CPU devices as ``(data, stage)`` = (2, 4) and (4, 2): the pipeline's results and the
-gradients of a loss through it, against the same stack applied on one device in float64, within
-the float32 rounding of the computation (counted from its jaxpr).
+On 8 CPU devices as ``(data, stage)`` = (2, 4) and (4, 2): the schedule's results and the
+gradients through it, a model's own layer scan piped unchanged, and ``TrainConfig(stage_axis=)``
+training (ZeRO-1 and ZeRO-3), each against one device in float64 or one-device optax, within the
+float32 rounding of the computation (counted from its jaxpr); checkpoints that move between stage
+counts; what is refused; and on compile-only 8xH100, each stage's drained chain.
 """
 
 import jax
