@@ -1242,9 +1242,18 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     check_mesh_axes(mesh, config.data_axes + (stage,), "TrainConfig axis / outer_axis / stage_axis")
     stages = int(mesh.shape[stage])
     data_axes = config.data_axes + (stage,)
-    rows = axes_size(mesh, data_axes)
-    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // rows, *np.shape(x)[1:]), x.dtype),
-                         example_batch)
+    devices = axes_size(mesh, data_axes)
+    sizes = {int(np.shape(x)[0]) if np.ndim(x) else 0 for x in jax.tree.leaves(example_batch)}
+    if len(sizes) != 1 or min(sizes) == 0 or min(sizes) % devices:
+        raise ValueError(f"stage_axis: the batch's leading dimensions {sorted(sizes)} must be one size that splits over "
+                         f"the {devices} devices of {data_axes}")
+    rows = sizes.pop() // devices
+    microbatches = config.pipeline_microbatches or 2 * stages
+    if (stages * rows) % microbatches:
+        raise ValueError(f"stage_axis: {microbatches} micro-batches (pipeline_microbatches) do not divide the "
+                         f"{stages * rows} rows a stage axis pipes ({stages} stages x {rows} rows each); pick a "
+                         f"divisor of {stages * rows}")
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), example_batch)
     # Traced with the model's other state as an input too: per-layer state is scanned with the layers.
     scalar = lambda ps, b: split_output(loss(ps[0], ps[1], b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
     try:
@@ -1270,7 +1279,6 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     if len(layers) != 1 or layers[0] % stages:
         raise ValueError(f"stage_axis: the stack has {' or '.join(map(str, layers))} layers, which {stages} stages do "
                          f"not split equally (the stacked leaves: {stacked[:3]}{'...' if len(stacked) > 3 else ''})")
-    microbatches = config.pipeline_microbatches or 2 * stages
     axis = as_axes(config.axis, "axis")
     derived = dataclasses.replace(
         config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],

@@ -321,6 +321,9 @@ def test_a_stage_axis_needs_a_stack_the_stages_split():
     config = jd.TrainConfig(stage_axis="stage")
     with pytest.raises(ValueError, match="give make_train_step an example_batch"):
         jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), config)
+    with pytest.raises(ValueError, match=r"8 micro-batches \(pipeline_microbatches\) do not divide the 12 rows"):
+        jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
+    config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=3)
     with pytest.raises(ValueError, match="scans over none of its parameters"):
         jd.make_train_step(params, lambda p, b: jnp.mean(b["x"] @ p["head"]) + 0 * jnp.sum(p["layers"]["bias"]),
                            optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
