@@ -334,11 +334,16 @@ class BucketChain:
         return _with_residuals(reduce_one, sources, residuals, max_in_flight, dispatch)
 
     def as_leaf(self, value: jax.Array, placement: Any) -> jax.Array:
-        """``value``, a gathered piece of ``placement``'s leaf, invariant along the chain's spec
-        axes the leaf is replicated along: equal on every rank there, a ``pmax`` (exact) lets it
-        leave a region manual over them as that leaf."""
-        replicated = tuple(a for a in self.spec_axes if a not in placement.spec_axes)
-        return jax.lax.pmax(value, replicated) if replicated else value
+        """``value``, a gathered piece of ``placement``'s leaf, invariant along the model axes
+        the leaf is replicated along (the chain's spec axes, and any other its type varies
+        along): equal on every rank there, a ``pmax`` (exact) lets it leave a region manual over
+        them as that leaf."""
+        replicated = [a for a in self.spec_axes if a not in placement.spec_axes]
+        # A gather fenced after another chain's bucket is typed varying along that chain's axes
+        # too (the barrier joins the types); it is just as equal along them.
+        replicated += [a for a in sorted(_compat.varying_axes(value)) if a not in placement.spec_axes
+                       and a not in replicated and a not in self.axes + self.outer_axes]
+        return jax.lax.pmax(value, tuple(replicated)) if replicated else value
 
     def gather(self, k: int, shard: jax.Array) -> jax.Array:
         """Whole bucket ``k`` in its parameters' dtype from every device's float32 shard."""

@@ -233,10 +233,12 @@ class TrainConfig:
             parallel over ``axis`` and ``stage_axis`` together, and the batch is split over both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
-            stack). With ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
-            layers. Not yet with tensor parallelism (``param_specs`` or declared shardings),
-            ``expert``, ``scan_layers=True``, ``split_leaves``, ``error_feedback``,
-            ``ownership="param"`` or ``microbatches > 1``.
+            stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own
+            ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
+            axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
+            layers (not yet both). Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
+            ``scan_layers=True``, ``split_leaves``, ``error_feedback``, ``ownership="param"`` or
+            ``microbatches > 1``.
 
     Example::
 
@@ -343,8 +345,8 @@ class TrainConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
         unsupported = [name for name, on in (
-            ("param_specs", self.param_specs is not None), ("expert", self.expert is not None),
-            ("scan_layers=True", self.scan_layers is True),
+            ("expert", self.expert is not None), ("scan_layers=True", self.scan_layers is True),
+            ("shard_params=True together with param_specs", self.shard_params and self.param_specs is not None),
             ("split_leaves=True", self.split_leaves), ("error_feedback=True", self.error_feedback),
             ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
             (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]
@@ -1282,12 +1284,27 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     axis = as_axes(config.axis, "axis")
     derived = dataclasses.replace(
         config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
-        param_specs=jax.tree.map(lambda m: P(stage) if m else P(), mask), tensor_parallel="manual",
+        param_specs=_stage_specs(mask, config.param_specs, params, stage), tensor_parallel="manual",
         scan_layers=False, stage_axis=None, pipeline_microbatches=None)
     piped_fn = lambda p, state, b, device: pipeline.pipelined(  # noqa: E731
         lambda p_, b_: loss(p_, state, b_, device), mask, axis=stage, microbatches=microbatches,
         schedule=config.pipeline_schedule)(p, b)
     return derived, piped_fn, microbatches
+
+
+def _stage_specs(mask: PyTree, param_specs: PyTree | None, params: PyTree, stage: str) -> PyTree:
+    """Each stacked leaf's spec with ``stage`` on its layer axis, over the hand-written
+    tensor-parallel split ``param_specs`` gives it (which must leave that axis whole); the
+    other leaves' specs as given."""
+    out = []
+    for path, spec, stacked in zip(leaf_paths(params), leaf_specs(params, param_specs), jax.tree.leaves(mask)):
+        if stacked:
+            if len(spec) and spec[0] is not None:
+                raise ValueError(f"stage_axis: param_specs splits the layer axis of stacked leaf {path!r} ({spec}); "
+                                 "the stage axis splits it: leave its first entry None")
+            spec = P(stage, *tuple(spec)[1:])
+        out.append(spec)
+    return jax.tree.unflatten(jax.tree.structure(params), out)
 
 
 def _bound_axes(loss: Callable[[PyTree, PyTree], jax.Array], axes: Sequence[str]) -> Callable[[PyTree, PyTree], jax.Array]:
