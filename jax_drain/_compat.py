@@ -54,7 +54,11 @@ def varying_axes(x: Any) -> frozenset:
     Inside ``shard_map(..., check_vma=False)`` nothing is tracked and every value looks
     invariant; callers that need certainty also check :func:`vma_checked`.
     """
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset:
+    """:func:`varying_axes` of an abstract value (a traced jaxpr variable's ``aval``)."""
     vma = getattr(aval, "vma", None)
     if vma is None:
         mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it in the manual-axis type

@@ -236,7 +236,7 @@ class TrainConfig:
             stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own
             ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
             axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
-            layers (not yet both). Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
+            layers. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
             ``scan_layers=True``, ``split_leaves``, ``error_feedback``, ``ownership="param"`` or
             ``microbatches > 1``.
 
@@ -346,7 +346,6 @@ class TrainConfig:
             raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
         unsupported = [name for name, on in (
             ("expert", self.expert is not None), ("scan_layers=True", self.scan_layers is True),
-            ("shard_params=True together with param_specs", self.shard_params and self.param_specs is not None),
             ("split_leaves=True", self.split_leaves), ("error_feedback=True", self.error_feedback),
             ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
             (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]

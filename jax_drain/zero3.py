@@ -338,6 +338,16 @@ def _make_gather(sync: ChainedSync, chain: BucketChain, k: int) -> Callable:
     return gather
 
 
+def _as_traced(var: Any, value: Any) -> Any:
+    """``value`` typed varying along every axis ``var`` was traced varying along: a gathered
+    bucket is invariant where the traced parameter was a varying copy, and a replayed equation
+    binds its operands' traced types (a cast, no communication)."""
+    if isinstance(var, _compat.Literal) or not hasattr(value, "aval"):
+        return value
+    missing = _compat.aval_varying_axes(var.aval) - _compat.varying_axes(value)
+    return _compat.mark_varying(value, tuple(sorted(missing))) if missing else value
+
+
 class ParamRef:
     """Stands for parameter leaf ``index`` (of the full tree) among the inputs given to
     :func:`replay_gathered`: the leaf is gathered where the jaxpr first reads it."""
@@ -432,7 +442,7 @@ class _GatherReplay:
             if self.reshard and eqn.primitive.name in REMAT and any(isinstance(x, ParamRef) for x in raw):
                 outs = self._region(eqn, raw)
             else:
-                invals = [read(v) for v in eqn.invars]
+                invals = [_as_traced(v, read(v)) for v in eqn.invars]
                 with _compat.eqn_context(eqn):
                     outs = _compat.bind_eqn(eqn, invals)
                 outs = outs if eqn.primitive.multiple_results else [outs]
