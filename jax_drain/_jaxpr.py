@@ -17,6 +17,12 @@ from jax.extend.core import Literal
 #: changes nothing.
 PLAIN_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
+#: Primitives that act on a stacked value layer by layer, keeping its leading (layer) axis: output
+#: ``k`` from operand ``k`` (the last output where there are fewer). They carry per-layer state to
+#: a layer scan: random keys kept as raw data in ``TrainState.model_state`` made keys again,
+#: nnx folding a count into each layer's key, an invariant value cast to a varying one.
+LAYERWISE = frozenset({"random_wrap", "random_unwrap", "random_fold_in", "pvary", "pcast"})
+
 #: jax.checkpoint / remat's primitive, by the names jax versions have given it.
 REMAT = frozenset({"checkpoint", "remat", "remat2"})
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_drain import _compat
-from jax_drain._jaxpr import PLAIN_CALLS, call_body
+from jax_drain._jaxpr import PLAIN_CALLS, LAYERWISE, call_body
 
 PyTree = Any
 
@@ -267,8 +267,10 @@ _NOT_PIPED = object()
 
 def _piped(x: Any) -> Any:
     if x is _NOT_PIPED:
-        raise ValueError("pipelined: the loss reads a per-layer output (ys) of the layer scan; the pipeline hands "
-                         "on only what the scan carries (and the layers' own parameters)")
+        raise ValueError("pipelined: the loss reads a per-layer output (ys) of the layer scan: a value a layer "
+                         "returns, or per-layer state the layers update (training-mode batch statistics); the "
+                         "pipeline hands on only what the scan carries and the layers' inputs unchanged: run such "
+                         "layers in evaluation mode, or pass the value on through the carry")
     return x
 
 
@@ -296,7 +298,11 @@ class _StackRewriter:
                     if not isinstance(v, _compat.Literal) and v in tracked]
             invals = [read(v) for v in eqn.invars]
             with _compat.eqn_context(eqn):
-                if hits:
+                if hits and eqn.primitive.name in LAYERWISE:
+                    outs = _compat.bind_eqn(eqn, invals)
+                    outs = outs if eqn.primitive.multiple_results else [outs]
+                    tracked.update((eqn.outvars[min(k, len(eqn.outvars) - 1)], j) for k, j in hits)
+                elif hits:
                     outs = self._rewrite(eqn, invals, hits, batch)
                 else:
                     outs = _compat.bind_eqn(eqn, invals)

@@ -236,7 +236,8 @@ class TrainConfig:
             stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own
             ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
             axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
-            layers. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
+            layers. Per-layer model state the layers only read (running statistics in evaluation
+            mode, dropout keys) goes with its layers. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
             ``scan_layers=True``, ``split_leaves``, ``error_feedback``, ``ownership="param"`` or
             ``microbatches > 1``.
 
@@ -1264,11 +1265,6 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
                                           local)
     except Exception as e:
         raise ValueError(f"stage_axis: could not trace the loss to find its layer stack: {type(e).__name__}: {e}") from e
-    per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
-    if per_layer:
-        raise ValueError(f"stage_axis: the layer scan also scans model state that is not a parameter ({per_layer[:3]}"
-                         f"{'...' if len(per_layer) > 3 else ''}: per-layer batch statistics or RNG keys); each stage "
-                         "would need its own layers' share of it, which is not supported yet")
     stacked = [path for path, m in zip(leaf_paths(params), jax.tree.leaves(mask)) if m]
     if not stacked:
         raise ValueError("stage_axis splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
@@ -1276,7 +1272,8 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     if all(jax.tree.leaves(mask)):
         raise ValueError("stage_axis: every parameter is in the layer stack; a step with a stage axis needs one "
                          "outside it too (an embedding, a head or a final norm), which is not supported yet")
-    layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m})
+    layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves((params, model_state)),
+                                                          jax.tree.leaves((mask, state_mask))) if m})
     if len(layers) != 1 or layers[0] % stages:
         raise ValueError(f"stage_axis: the stack has {' or '.join(map(str, layers))} layers, which {stages} stages do "
                          f"not split equally (the stacked leaves: {stacked[:3]}{'...' if len(stacked) > 3 else ''})")
@@ -1285,10 +1282,34 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
         config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
         param_specs=_stage_specs(mask, config.param_specs, params, stage), tensor_parallel="manual",
         scan_layers=False, stage_axis=None, pipeline_microbatches=None)
-    piped_fn = lambda p, state, b, device: pipeline.pipelined(  # noqa: E731
-        lambda p_, b_: loss(p_, state, b_, device), mask, axis=stage, microbatches=microbatches,
-        schedule=config.pipeline_schedule)(p, b)
+    per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
+
+    def piped_fn(p: PyTree, state: PyTree, b: PyTree, device: Any) -> tuple[Any, PyTree]:
+        # Each stage reads its own layers' share of the per-layer model state (running
+        # statistics, RNG counters); the state stays whole on every device.
+        local = jax.tree.map(lambda x, m: _stage_rows(x, stage) if m else x, state, state_mask)
+        out, new = pipeline.pipelined(lambda ps, b_: loss(ps[0], ps[1], b_, device), (mask, state_mask), axis=stage,
+                                      microbatches=microbatches, schedule=config.pipeline_schedule)((p, local), b)
+        if new is None:
+            return out, new
+        kept = []
+        for path, full, mine, updated, m in zip(leaf_paths(state), jax.tree.leaves(state), jax.tree.leaves(local),
+                                                jax.tree.leaves(new), jax.tree.leaves(state_mask)):
+            if m and updated is not mine:
+                raise ValueError(f"stage_axis: the loss updates per-layer model state {path!r} (training-mode "
+                                 "batch statistics or RNG counters); each stage holds only its layers' share, "
+                                 f"which is not supported yet: run the layers in evaluation mode (per-layer state "
+                                 f"{per_layer[:3]}{'...' if len(per_layer) > 3 else ''})")
+            kept.append(full if m else updated)
+        return out, jax.tree.unflatten(jax.tree.structure(new), kept)
+
     return derived, piped_fn, microbatches
+
+
+def _stage_rows(x: jax.Array, stage: str) -> jax.Array:
+    """This stage's equal share of ``x``'s leading (layer) axis."""
+    share = np.shape(x)[0] // _compat.axis_size(stage)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(stage) * share, share)
 
 
 def _stage_specs(mask: PyTree, param_specs: PyTree | None, params: PyTree, stage: str) -> PyTree:

@@ -356,23 +356,25 @@ def test_a_stage_axis_checkpoint_moves_to_other_stage_counts_and_to_no_pipeline(
 
 
 class _NormBlock(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, train):
         self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-        self.norm = nnx.BatchNorm(WIDTH, use_running_average=True, rngs=rngs)
+        self.norm = nnx.BatchNorm(WIDTH, use_running_average=not train, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, deterministic=not train, rngs=rngs)
 
     def __call__(self, x):
-        return jnp.tanh(self.norm(self.linear(x)))
+        return self.dropout(jnp.tanh(self.norm(self.linear(x))))
 
 
 class _NormStack(nnx.Module):
     """Flax's scan-over-layers pattern: blocks made under nnx.vmap, run under nnx.scan; each
-    block's BatchNorm statistics are per-layer state beside its parameters."""
+    block's BatchNorm statistics and dropout RNG key and count are per-layer state beside its
+    parameters."""
 
-    def __init__(self, rngs):
+    def __init__(self, rngs, train=False):
         @nnx.split_rngs(splits=LAYERS)
         @nnx.vmap(axis_size=LAYERS)
         def blocks(rngs):
-            return _NormBlock(rngs)
+            return _NormBlock(rngs, train)
 
         self.blocks = blocks(rngs)
         self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
@@ -382,12 +384,55 @@ class _NormStack(nnx.Module):
         return self.head(x)
 
 
-def test_a_stack_with_per_layer_state_or_nothing_outside_it_is_refused():
-    batch = {"x": jnp.asarray(np.random.default_rng(6).normal(size=(8 * ROWS, WIDTH)), jnp.float32)}
+def _norm_stack(train=False):
+    model = _NormStack(nnx.Rngs(1), train)
+    rng = np.random.default_rng(8)  # statistics that differ layer by layer, so each stage must read its own
+    model.blocks.norm.mean[...] = jnp.asarray(rng.normal(size=(LAYERS, WIDTH)) / 2, jnp.float32)
+    model.blocks.norm.var[...] = jnp.asarray(rng.uniform(0.5, 2.0, size=(LAYERS, WIDTH)), jnp.float32)
+    return model
+
+
+def _norm_loss(model, batch):
+    return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+
+def test_per_layer_model_state_reaches_each_stage_s_layers():
+    """The layers' running statistics (evaluation mode) and dropout keys are per-layer model
+    state: each stage reads its own layers' share, and SGD follows one-device optax on whole
+    batches within the rounding of its gradients; the state itself is handed back unchanged."""
+    rng = np.random.default_rng(9)
+    batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(8 * ROWS,)), jnp.float32)} for _ in range(STEPS)]
+    model = _norm_stack()
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    start = jax.device_get(nnx.to_pure_dict(params))  # before the step updates the model's variables
+    plain = lambda state: [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+                           for x in jax.tree.leaves(nnx.to_pure_dict(state))]  # noqa: E731
+    want_state = plain(other)
+    step = jd.make_train_step(model, _norm_loss, optax.sgd(0.2), _mesh((2, 4)),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4), example_batch=batches[0])
+    state = step.init()
+    for batch in batches:
+        state, metrics = step(state, batch)
+        assert not bool(metrics.skipped)
+    step.update_model(model, state)
+    got_state = plain(nnx.state(model, nnx.Not(nnx.Param)))
+    assert len(got_state) == len(want_state) == 4 and all(map(np.array_equal, got_state, want_state))
+
+    loss_fn = lambda p, b: _norm_loss(nnx.merge(graphdef, p, other, copy=True), b)  # noqa: E731
+    want, _, gradients = reference_run(lambda p, b: loss_fn(nnx.State(p), b), start, optax.sgd(0.2), batches)
+    additions = rounding_chain(jax.grad(lambda p, b: loss_fn(nnx.State(p), b)), start, batches[0]) + 8 + 4
+    bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.2, params=start)
+    assert_within(nnx.to_pure_dict(nnx.state(model, nnx.Param)), want, bounds[-1], what="after 3 steps")
+
+
+def test_a_stack_whose_layers_update_their_state_or_with_nothing_outside_it_is_refused():
+    batch = {"x": jnp.asarray(np.random.default_rng(6).normal(size=(8 * ROWS, WIDTH)), jnp.float32),
+             "y": jnp.zeros((8 * ROWS,), jnp.float32)}
     config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4)
-    with pytest.raises(ValueError, match=r"scans model state that is not a parameter \(\[.*norm/mean"):
-        jd.make_train_step(_NormStack(nnx.Rngs(1)), lambda m, b: jnp.mean(m(b["x"]) ** 2), optax.sgd(0.1),
-                           _mesh((2, 4)), config, example_batch=batch)
+    with pytest.raises(ValueError, match="per-layer state the layers update"):
+        jd.make_train_step(_norm_stack(train=True), _norm_loss, optax.sgd(0.1), _mesh((2, 4)), config,
+                           example_batch=batch)
     params, _ = _problem()
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
     with pytest.raises(ValueError, match="every parameter is in the layer stack"):

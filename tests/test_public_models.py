@@ -59,8 +59,8 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, rounding_chain,
-                     sgd_rounding_bounds)
+from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, reference_run,
+                     rounding_chain, sgd_rounding_bounds)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py",
@@ -255,6 +255,63 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_the_same_under_zero3(flax_so
         step = step_for(example.ScanMLP(dim, n_layers=3, rngs=nnx.Rngs(0)), shard_params=shard_params)
         with pytest.raises(ValueError, match="axis_name='data'"):
             step(step.init(), batches[0])
+
+
+@pytest.mark.public_model
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
+def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_device(
+        flax_source, shard_params, cpu_devices):
+    """Flax's ``ScanMLP``, unchanged, as the stack of a model with a head, on ``(data, stage) =
+    (2, 4)``: each stage runs its own layer with that layer's running statistics and dropout
+    key (evaluation mode), and 3 SGD steps follow one-device optax on whole batches within the
+    rounding of their gradients, ZeRO-1 and ZeRO-3."""
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import jax_drain as jd
+
+    path = pathlib.Path(flax_source) / "examples/nnx_toy_examples/06_scan_over_layers.py"
+    spec = importlib.util.spec_from_file_location("flax_scan_over_layers", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    dim, layers, rng = 16, 4, np.random.default_rng(11)
+
+    class WithHead(nnx.Module):  # the user's model around Flax's stack: a stage axis needs one parameter outside it
+        def __init__(self, rngs):
+            self.body = example.ScanMLP(dim, n_layers=layers, rngs=rngs)
+            self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.body(x))[:, 0]
+
+    model = WithHead(nnx.Rngs(0))
+    model.eval()
+    norm = model.body.layers.bn  # statistics that differ layer by layer, so each stage must read its own
+    norm.mean[...] = jax.numpy.asarray(rng.normal(size=(layers, dim)) / 2, np.float32)
+    norm.var[...] = jax.numpy.asarray(rng.uniform(0.5, 2.0, size=(layers, dim)), np.float32)
+    batches = [{"x": rng.normal(size=(32, dim)).astype(np.float32), "y": rng.normal(size=(32,)).astype(np.float32)}
+               for _ in range(3)]
+    loss = lambda m, batch: jax.numpy.mean((m(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    start = jax.device_get(nnx.to_pure_dict(params))
+    mesh = Mesh(np.array(cpu_devices).reshape(2, 4), ("data", "stage"))
+    step = jd.make_train_step(model, loss, optax.sgd(0.1), mesh,
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params),
+                              example_batch=batches[0])
+    state = step.init()
+    for batch in batches:
+        state, metrics = step(state, batch)
+        assert not bool(metrics.skipped)
+    step.update_model(model, state)
+
+    def one_device(p, b):
+        return loss(nnx.merge(graphdef, nnx.State(p), other, copy=True), b)
+
+    want, _, gradients = reference_run(one_device, start, optax.sgd(0.1), batches)
+    additions = rounding_chain(jax.grad(one_device), start, batches[0]) + 8 + 4
+    bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.1, params=start)
+    assert_within(nnx.to_pure_dict(nnx.state(model, nnx.Param)), want, bounds[-1], what="after 3 steps")
 
 
 # -- EasyLM's LLaMA: a pjit model with its own activation constraints ----------------------------
