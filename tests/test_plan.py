@@ -391,6 +391,40 @@ def test_scanned_preset_syncs_inside_the_backward_scan():
     assert in_scan.temp_bytes < floor.temp_bytes  # below the stacked gradients' floor
 
 
+def test_pipeline_stage_strategy_names():
+    s = plan.Strategy.parse("zero3+drain+pp4")
+    assert (s.stages, s.zero3, s.max_in_flight) == (4, True, 1)
+    assert plan.Strategy.parse("fp32_accum+drain").stages == 1
+    for bad in ("fp32_accum+pp1", "fp32_accum+pp2+pp4"):
+        with pytest.raises(ValueError, match=r"at most one \+ppN, N >= 2"):
+            plan.Strategy.parse(bad)
+    from jax_drain.planner.search import Candidate
+
+    with pytest.raises(ValueError, match="does not try pipeline stages"):
+        Candidate.of("fp32_accum+drain+pp2", 8)
+
+
+@pytest.mark.gpu_compile
+def test_pipeline_stages_plan_each_stage_s_drained_chain_on_a_scanned_preset():
+    """``+ppN`` splits the data devices into N stages: the arguments shrink with the stages (and
+    ZeRO-3), the stage-to-stage sends are in the program, and each stage's chain (the layers
+    over the data axis alone, the rest over data and stage) keeps one bucket in flight."""
+    config = plan.preset_config("tiny", layers=4, d_model=256, scan_layers=True)
+    params, loss, batch = (plan.models.abstract_params(config), plan.models.make_loss(config),
+                           plan.models.example_batch(config, 16))
+    rows = {r.strategy: r for r in compare.plan_model(
+        loss, params, batch, ["fp32_accum+drain", "fp32_accum+drain+pp2", "zero3+drain+pp4",
+                              "fp32_accum+drain+split+pp2"], num_buckets=8, progress=False).rows}
+    flat, piped, zero3 = (rows[k].plan for k in ("fp32_accum+drain", "fp32_accum+drain+pp2", "zero3+drain+pp4"))
+    assert flat.argument_bytes > piped.argument_bytes > zero3.argument_bytes
+    for p in (piped, zero3):
+        sends = [c for c in p.all_collectives if c.kind == "collective-permute"]
+        assert sends, "no stage-to-stage send"
+        assert p.chains_in_flight == {"dense": 1, "expert": 1}, p.chains_in_flight
+    assert not any(c.kind == "collective-permute" for c in flat.all_collectives)
+    assert "does not split leaves" in rows["fp32_accum+drain+split+pp2"].unavailable
+
+
 # -- your own model: --loss/--params/--batch, --step, jd.plan --------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, models, zero3
@@ -57,6 +58,7 @@ from jax_drain.planner.targets import gpu_mesh, parse_topology
 from jax_drain.planner.timing import StepTime, read_schedule_dump, schedule_dump_options
 from jax_drain.scan import LAYER_SCOPE, ScanGradSync, stacked_leaves
 from jax_drain.sync import EXPERT_SCOPE, SCOPE_PREFIX, GradSync, Shards
+from jax_drain.train import TrainConfig, make_train_step
 
 #: Baseline strategies; every reduce mode ``m`` adds ``m`` (undrained), ``m+drain`` (one
 #: bucket in flight) and ``m+drainK`` (K buckets in flight). ``gspmd_fsdp``: params and
@@ -98,7 +100,8 @@ class Strategy:
     remat_groups(...))``, :class:`TrainConfig <jax_drain.TrainConfig>`'s default).
     ``reshard_after_forward``: with ``zero3``, ``False`` is the ``+noreshard`` suffix: each
     bucket gathered once and kept from forward to backward
-    (``TrainConfig(reshard_after_forward=False)``).
+    (``TrainConfig(reshard_after_forward=False)``). ``stages``: the ``+ppN`` suffix, the data
+    devices split into ``N`` pipeline stages (``TrainConfig(stage_axis="stage")``).
     """
 
     name: str
@@ -108,6 +111,7 @@ class Strategy:
     zero3: bool = False
     blocks: bool = False
     reshard_after_forward: bool = True
+    stages: int = 1
 
     @property
     def is_baseline(self) -> bool:
@@ -124,10 +128,14 @@ class Strategy:
         zero3 = mode == "zero3" or "zero3" in flags
         blocks = "blocks" in flags
         reshard = "noreshard" not in flags
+        piped = [f for f in flags if re.fullmatch(r"pp\d+", f)]
+        stages = int(piped[-1][2:]) if piped else 1
+        if len(piped) > 1 or (piped and stages < 2):
+            raise ValueError(f"strategy {name!r}: give at most one +ppN, N >= 2 pipeline stages (e.g. '+pp2')")
         if not reshard and not zero3:
             raise ValueError(f"strategy {name!r}: +noreshard keeps ZeRO-3's gathered buckets from forward to "
                              "backward; it needs +zero3 (e.g. 'zero3+drain+noreshard')")
-        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard")]
+        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard", *piped)]
         mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
@@ -136,9 +144,9 @@ class Strategy:
             depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth, split, zero3, blocks, reshard)
-        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks]" for m in REDUCE_MODES]
-                 + ["zero3[+drain[K]][+blocks][+noreshard]"])
+            return cls(name, mode, depth, split, zero3, blocks, reshard, stages)
+        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN]" for m in REDUCE_MODES]
+                 + ["zero3[+drain[K]][+blocks][+noreshard][+ppN]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -645,6 +653,11 @@ def build_user_step(
     * ``MODE[+drain[K]][+split][+blocks]``: :class:`GradSync` (``reduce=MODE``), or with ``stacked``
       (a mask of scanned leaves, :func:`jax_drain.stacked_leaves`) :class:`ScanGradSync`
       (whose layer buckets follow the layers already: ``+blocks`` changes nothing there).
+    * ``...+ppN``: the data devices split into ``N`` pipeline stages, the loss's layer scan
+      piped over them (:func:`jax_drain.make_train_step` with ``TrainConfig(stage_axis=
+      "stage")``, ``2N`` micro-batches). The step compiled is the whole train step with plain
+      SGD (no optimizer state), its inputs the train state and the batch: the gradient, each
+      stage's chain and an in-place update.
 
     ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) and, for
     ``+blocks``, ``groups`` (:func:`jax_drain.remat_groups`) are traced from ``loss_fn`` when not
@@ -653,6 +666,8 @@ def build_user_step(
     ``"manual"`` loss.
     """
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    if strategy.stages > 1:
+        return _staged_step(strategy, loss_fn, params, batch, mesh, axis, bucket_size, param_specs, tensor_parallel)
     specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
     if strategy.is_baseline and strategy.name != "no_comm":
         if tensor_parallel != "gspmd" and param_specs is not None:
@@ -694,6 +709,39 @@ def build_user_step(
                                   out_specs=(P(), sync.shard_specs())),
                    in_shardings=_placed(sync, (sync.param_specs, sync.batch_spec)))
     return step, (params, batch), sync
+
+
+#: The pipeline-stage axis a ``+ppN`` strategy splits the data devices into.
+STAGE_AXIS = "stage"
+
+
+def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, axis: str,
+                 bucket_size: int | None, param_specs: Any, tensor_parallel: str) -> tuple[Any, tuple[Any, ...], Any]:
+    """A ``+ppN`` strategy's train step: ``axis`` split into (``axis``, :data:`STAGE_AXIS`),
+    stage neighbours adjacent in the mesh's device order."""
+    stages = strategy.stages
+    if strategy.split:
+        raise StrategyUnavailable(f"{strategy.name}: a stage axis does not split leaves over buckets yet")
+    if param_specs is not None and tensor_parallel == "gspmd":
+        raise StrategyUnavailable(f"{strategy.name}: a stage axis with tensor parallelism by XLA (declared "
+                                  "shardings, tensor_parallel='gspmd') is not built yet")
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    k, n = names.index(axis), int(mesh.shape[axis])
+    if n % stages:
+        raise StrategyUnavailable(f"{strategy.name}: the {n} devices of {axis!r} do not split into {stages} stages")
+    staged = Mesh(mesh.devices.reshape(shape[:k] + (n // stages, stages) + shape[k + 1:]),
+                  names[:k] + (axis, STAGE_AXIS) + names[k + 1:])
+    tp = {} if param_specs is None else dict(param_specs=param_specs, tensor_parallel=tensor_parallel)
+    config = TrainConfig(
+        axis=axis, stage_axis=STAGE_AXIS, bucket_size=bucket_size, reduce=strategy.reduce,
+        drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight, shard_params=strategy.zero3,
+        reshard_after_forward=strategy.reshard_after_forward, bucket_boundaries="remat" if strategy.blocks else None,
+        **tp)
+    try:
+        step = make_train_step(params, loss_fn, optax.sgd(1e-3), staged, config, example_batch=batch)
+    except ValueError as e:
+        raise StrategyUnavailable(f"{strategy.name}: {e}") from e
+    return step, (step.abstract_state(), batch), step.sync
 
 
 def _placed(sync: ChainedSync, specs: Any) -> Any:

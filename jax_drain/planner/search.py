@@ -156,6 +156,9 @@ class Candidate:
         s = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
         if s.is_baseline:
             raise ValueError(f"{s.name} is not a jax_drain configuration")
+        if s.stages > 1:
+            raise ValueError(f"{s.name}: the search does not try pipeline stages yet; compare +ppN strategies with "
+                             "plan_model (the CLI's --strategy)")
         return cls(s.reduce, s.max_in_flight, s.split, s.blocks, s.zero3, s.reshard_after_forward, num_buckets)
 
     @property
