@@ -655,7 +655,7 @@ def build_user_step(
       (whose layer buckets follow the layers already: ``+blocks`` changes nothing there).
     * ``...+ppN``: the data devices split into ``N`` pipeline stages, the loss's layer scan
       piped over them (:func:`jax_drain.make_train_step` with ``TrainConfig(stage_axis=
-      "stage")``, ``2N`` micro-batches). The step compiled is the whole train step with plain
+      "stage")``, the most micro-batches up to ``2N`` that divide the ``N`` devices' rows). The step compiled is the whole train step with plain
       SGD (no optimizer state), its inputs the train state and the batch: the gradient, each
       stage's chain and an in-place update.
 
@@ -732,8 +732,11 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     staged = Mesh(mesh.devices.reshape(shape[:k] + (n // stages, stages) + shape[k + 1:]),
                   names[:k] + (axis, STAGE_AXIS) + names[k + 1:])
     tp = {} if param_specs is None else dict(param_specs=param_specs, tensor_parallel=tensor_parallel)
+    rows = {x.shape[0] // n for x in jax.tree.leaves(batch) if x.ndim} or {1}
+    piped = stages * min(rows)  # the rows a stage pipes
+    microbatches = max(m for m in range(1, 2 * stages + 1) if piped % m == 0)
     config = TrainConfig(
-        axis=axis, stage_axis=STAGE_AXIS, bucket_size=bucket_size, reduce=strategy.reduce,
+        axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, bucket_size=bucket_size, reduce=strategy.reduce,
         drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight, shard_params=strategy.zero3,
         reshard_after_forward=strategy.reshard_after_forward, bucket_boundaries="remat" if strategy.blocks else None,
         **tp)
