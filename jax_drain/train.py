@@ -237,9 +237,9 @@ class TrainConfig:
             ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
             axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
             layers. Per-layer model state the layers only read (running statistics in evaluation
-            mode, dropout keys) goes with its layers. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
-            ``scan_layers=True``, ``split_leaves``, ``error_feedback``, ``ownership="param"`` or
-            ``microbatches > 1``.
+            mode, dropout keys) goes with its layers. Split leaves and error feedback work per stage's chain.
+            Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
+            ``scan_layers=True``, ``ownership="param"`` or ``microbatches > 1``.
 
     Example::
 
@@ -347,7 +347,6 @@ class TrainConfig:
             raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
         unsupported = [name for name, on in (
             ("expert", self.expert is not None), ("scan_layers=True", self.scan_layers is True),
-            ("split_leaves=True", self.split_leaves), ("error_feedback=True", self.error_feedback),
             ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
             (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]
         if unsupported:

@@ -720,8 +720,6 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     """A ``+ppN`` strategy's train step: ``axis`` split into (``axis``, :data:`STAGE_AXIS`),
     stage neighbours adjacent in the mesh's device order."""
     stages = strategy.stages
-    if strategy.split:
-        raise StrategyUnavailable(f"{strategy.name}: a stage axis does not split leaves over buckets yet")
     if param_specs is not None and tensor_parallel == "gspmd":
         raise StrategyUnavailable(f"{strategy.name}: a stage axis with tensor parallelism by XLA (declared "
                                   "shardings, tensor_parallel='gspmd') is not built yet")
@@ -738,6 +736,7 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     config = TrainConfig(
         axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, bucket_size=bucket_size, reduce=strategy.reduce,
         drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight, shard_params=strategy.zero3,
+        split_leaves=strategy.split,
         reshard_after_forward=strategy.reshard_after_forward, bucket_boundaries="remat" if strategy.blocks else None,
         **tp)
     try:
