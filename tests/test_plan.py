@@ -406,22 +406,23 @@ def test_pipeline_stage_strategy_names():
 
 @pytest.mark.gpu_compile
 def test_pipeline_stages_plan_each_stage_s_drained_chain_on_a_scanned_preset():
-    """``+ppN`` splits the data devices into N stages: the arguments shrink with the stages (and
-    ZeRO-3), the stage-to-stage sends are in the program, and each stage's chain (the layers
-    over the data axis alone, the rest over data and stage) keeps one bucket in flight."""
+    """``+ppN`` splits the data devices into N stages: the arguments (the train state) are less
+    than the whole parameters and shrink with the stages and ZeRO-3, the stage-to-stage sends are
+    in the program, and each stage's chain (the layers over the data axis alone, the rest over
+    data and stage) keeps one bucket in flight."""
     config = plan.preset_config("tiny", layers=4, d_model=256, scan_layers=True)
     params, loss, batch = (plan.models.abstract_params(config), plan.models.make_loss(config),
                            plan.models.example_batch(config, 16))
     rows = {r.strategy: r for r in compare.plan_model(
-        loss, params, batch, ["fp32_accum+drain", "fp32_accum+drain+pp2", "zero3+drain+pp4",
-                              "fp32_accum+drain+split+pp2"], num_buckets=8, progress=False).rows}
-    flat, piped, zero3 = (rows[k].plan for k in ("fp32_accum+drain", "fp32_accum+drain+pp2", "zero3+drain+pp4"))
-    assert flat.argument_bytes > piped.argument_bytes > zero3.argument_bytes
+        loss, params, batch, ["fp32_accum+drain+pp2", "zero3+drain+pp4", "fp32_accum+drain+split+pp2"],
+        num_buckets=8, progress=False).rows}
+    piped, zero3 = rows["fp32_accum+drain+pp2"].plan, rows["zero3+drain+pp4"].plan
+    whole = sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))
+    assert whole > piped.argument_bytes > zero3.argument_bytes  # no device holds every layer
     for p in (piped, zero3):
         sends = [c for c in p.all_collectives if c.kind == "collective-permute"]
         assert sends, "no stage-to-stage send"
         assert p.chains_in_flight == {"dense": 1, "expert": 1}, p.chains_in_flight
-    assert not any(c.kind == "collective-permute" for c in flat.all_collectives)
     split = rows["fp32_accum+drain+split+pp2"].plan
     assert split.chains_in_flight == {"dense": 1, "expert": 1} and split.num_buckets >= piped.num_buckets
 
