@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import time
@@ -125,10 +126,7 @@ def circular_step(config: models.GPTConfig, mesh: Mesh, microbatches: int,
 def measure(label: str, topology: str, shape: tuple[int, ...], axes: tuple[str, ...], how: dict | str,
             target: str) -> dict:
     config = models.preset(PRESET)
-    devices = 1
-    for size in shape:
-        devices *= size
-    batch = models.example_batch(config, devices * SEQUENCES)
+    batch = models.example_batch(config, math.prod(shape) * SEQUENCES)
     mesh = gpu_mesh(shape, axes, target=target, topology=topology)
     tx = optax.adamw(1e-4)
     start = time.perf_counter()
@@ -145,21 +143,10 @@ def measure(label: str, topology: str, shape: tuple[int, ...], axes: tuple[str, 
         micro = fields.get("pipeline_microbatches")
     stages = mesh.shape["stage"] if "stage" in axes else 1
     timing = report.step_time
-    by_chain: dict[str, list[int]] = {}
-    for c in report.to_json()["collectives"] if how != "gspmd_circular" else ():
-        if c["chain"] is None:  # not a bucket's reduce (the updated parameters' gather)
-            continue
-        # A stage axis runs each stage's layers in the "expert" chain (reduced over the data axes alone).
-        names = {"expert": "stage's layers", "layers": "layers (in the scan)", "dense": "the rest"}
-        counts = by_chain.setdefault(names.get(c["chain"], c["chain"]), [0, 0])
-        counts[0] += bool(c["overlapped"])
-        counts[1] += 1
     return {"layout": label, "topology": topology, "mesh": dict(zip(axes, shape)), "config": fields,
             "temp_bytes": report.temp_bytes, "argument_bytes": report.argument_bytes,
             "collective_permutes": sum(c.kind == "collective-permute" for c in report.all_collectives),
-            "sync_collectives": len(report.collectives) if how != "gspmd_circular" else None,
-            "sync_overlapped": report.overlapped if how != "gspmd_circular" else None,
-            "sync_overlapped_by_chain": by_chain,
+            "sync_overlapped_by_chain": None if how == "gspmd_circular" else overlapped_by_chain(report),
             "bubble": None if micro is None else pipeline.bubble_fraction(micro, stages),
             "predicted_step_s": None if timing is None else timing.step_s,
             "exposed_comm_s": None if timing is None else timing.exposed_comm_s,
@@ -167,12 +154,28 @@ def measure(label: str, topology: str, shape: tuple[int, ...], axes: tuple[str, 
             "compile_s": round(time.perf_counter() - start, 1)}
 
 
+#: The planner's bucket chains by what they hold: a stage axis runs each stage's layers in the
+#: "expert" chain (reduced over the data axes alone).
+CHAIN_NAMES = {"expert": "stage's layers", "layers": "layers (in the scan)", "dense": "the rest"}
+
+
+def overlapped_by_chain(report) -> dict[str, list[int]]:
+    """Per bucket chain: ``[reduces that overlap compute, reduces]`` on the compiled schedule."""
+    counts: dict[str, list[int]] = {}
+    for c in report.to_json()["collectives"]:
+        if c["chain"] is not None:  # else not a bucket's reduce (the updated parameters' gather)
+            done_total = counts.setdefault(CHAIN_NAMES.get(c["chain"], c["chain"]), [0, 0])
+            done_total[0] += bool(c["overlapped"])
+            done_total[1] += 1
+    return counts
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| layout | temp MiB | arguments MiB | stage sends | bubble | buckets' reduces overlapped | predicted step |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.0f}%"
-        overlap = "-" if r["sync_collectives"] is None else ", ".join(
+        overlap = "-" if r["sync_overlapped_by_chain"] is None else ", ".join(
             f"{name} {done}/{total}" for name, (done, total) in sorted(r["sync_overlapped_by_chain"].items()))
         step = "-" if r["predicted_step_s"] is None else f"{1e3 * r['predicted_step_s']:.1f} ms"
         lines.append(f"| {r['layout']} | {r['temp_bytes'] / 2**20:,.0f} | {r['argument_bytes'] / 2**20:,.0f} | "

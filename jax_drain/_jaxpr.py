@@ -9,7 +9,7 @@ by the tests on the lowered program of every chain kind).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from jax.extend.core import Literal
 
@@ -17,11 +17,23 @@ from jax.extend.core import Literal
 #: changes nothing.
 PLAIN_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
-#: Primitives that act on a stacked value layer by layer, keeping its leading (layer) axis: output
-#: ``k`` from operand ``k`` (the last output where there are fewer). They carry per-layer state to
-#: a layer scan: random keys kept as raw data in ``TrainState.model_state`` made keys again,
-#: nnx folding a count into each layer's key, an invariant value cast to a varying one.
-LAYERWISE = frozenset({"random_wrap", "random_unwrap", "random_fold_in", "pvary", "pcast"})
+#: Primitives that only change a value's varying-axes type (``jax.lax.pvary``/``pcast``): the
+#: same value, typed as varying over more axes.
+TYPE_CASTS = frozenset({"pvary", "pcast", "pbroadcast"})
+
+#: Primitives that act on a stacked value layer by layer, keeping its leading (layer) axis
+#: (:func:`layerwise_outputs`). They carry per-layer state to a layer scan: random keys kept as
+#: raw data in ``TrainState.model_state`` made keys again, nnx folding a count into each layer's
+#: key, a type cast.
+LAYERWISE = TYPE_CASTS | frozenset({"random_wrap", "random_unwrap", "random_fold_in"})
+
+
+def layerwise_outputs(eqn: Any, operands: Sequence[tuple[int, Any]]) -> list[tuple[Any, Any]]:
+    """For a :data:`LAYERWISE` equation and its tracked ``(operand position, label)`` pairs, the
+    ``(output var, label)`` pairs: output ``k`` from operand ``k``, the last output where there
+    are fewer (``random_fold_in(keys, count)`` has one)."""
+    last = len(eqn.outvars) - 1
+    return [(eqn.outvars[min(k, last)], label) for k, label in operands]
 
 #: jax.checkpoint / remat's primitive, by the names jax versions have given it.
 REMAT = frozenset({"checkpoint", "remat", "remat2"})

@@ -26,7 +26,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
-from jax_drain._jaxpr import PLAIN_CALLS, REMAT, call_body, is_literal
+from jax_drain._jaxpr import PLAIN_CALLS, REMAT, TYPE_CASTS, call_body, is_literal
 from jax_drain.mesh import auto_mesh, split_specs
 
 Position = tuple[int, ...]
@@ -98,10 +98,6 @@ def remat_groups(
     return tuple(None if r is None else numbers[r] for r in readers)
 
 
-#: Primitives that only change a value's varying-axes type (``jax.lax.pvary``).
-_TYPE_CASTS = frozenset({"pvary", "pbroadcast"})
-
-
 def _first_remat_readers(jaxpr: Any, variables: Any) -> list[Any]:
     """For each of ``variables``: the position of the first remat equation that reads it
     (looking through plain calls such as ``jit``), ``None`` if an equation of another kind reads
@@ -114,7 +110,7 @@ def _first_remat_readers(jaxpr: Any, variables: Any) -> list[Any]:
                 if not is_literal(v) and v in todo and todo[v] not in done]
         if not read:
             continue
-        if eqn.primitive.name in _TYPE_CASTS:  # the same value, typed as varying over more axes
+        if eqn.primitive.name in TYPE_CASTS:  # the same value, typed as varying over more axes
             todo.update((out, i) for out, (_, i) in zip(eqn.outvars, read))
             continue
         if eqn.primitive.name in REMAT:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_drain import _compat
-from jax_drain._jaxpr import PLAIN_CALLS, LAYERWISE, call_body
+from jax_drain._jaxpr import PLAIN_CALLS, LAYERWISE, call_body, layerwise_outputs
 
 PyTree = Any
 
@@ -298,15 +298,12 @@ class _StackRewriter:
                     if not isinstance(v, _compat.Literal) and v in tracked]
             invals = [read(v) for v in eqn.invars]
             with _compat.eqn_context(eqn):
-                if hits and eqn.primitive.name in LAYERWISE:
-                    outs = _compat.bind_eqn(eqn, invals)
-                    outs = outs if eqn.primitive.multiple_results else [outs]
-                    tracked.update((eqn.outvars[min(k, len(eqn.outvars) - 1)], j) for k, j in hits)
-                elif hits:
+                if hits and eqn.primitive.name not in LAYERWISE:
                     outs = self._rewrite(eqn, invals, hits, batch)
                 else:
                     outs = _compat.bind_eqn(eqn, invals)
                     outs = outs if eqn.primitive.multiple_results else [outs]
+                    tracked.update(layerwise_outputs(eqn, hits))
             if any(v in batch for v in operands):
                 batch.update(eqn.outvars)
             env.update(zip(eqn.outvars, outs))

@@ -95,7 +95,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_drain import _compat
-from jax_drain._jaxpr import PLAIN_CALLS, REMAT, LAYERWISE, call_body
+from jax_drain._jaxpr import PLAIN_CALLS, REMAT, LAYERWISE, call_body, layerwise_outputs
 from jax_drain.chain import (
     SCOPE_PREFIX, BucketChain, ChainedSync, accumulate_shards, build_chain, check_flag, check_microbatches,
     check_state_replicated,
@@ -815,7 +815,7 @@ def _find_scanned(jaxpr: Any, position: dict, found: set) -> None:
             first_xs = sum(_compat.scan_counts(eqn.params))
             found.update(i for k, i in operands if k >= first_xs)
         elif name in LAYERWISE:
-            position.update((eqn.outvars[min(k, len(eqn.outvars) - 1)], i) for k, i in operands)
+            position.update(layerwise_outputs(eqn, operands))
         elif (body := call_body(eqn, PLAIN_CALLS)) is not None:
             inner = body[0]
             _find_scanned(inner, {inner.invars[k]: i for k, i in operands}, found)

@@ -237,8 +237,8 @@ class TrainConfig:
             ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
             axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
             layers. Per-layer model state the layers only read (running statistics in evaluation
-            mode, dropout keys) goes with its layers. Split leaves and error feedback work per stage's chain.
-            Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
+            mode, dropout keys) goes with its layers. Split leaves and error feedback work per
+            stage's chain. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
             ``scan_layers=True``, ``ownership="param"`` or ``microbatches > 1``.
 
     Example::

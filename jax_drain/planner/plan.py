@@ -655,9 +655,9 @@ def build_user_step(
       (whose layer buckets follow the layers already: ``+blocks`` changes nothing there).
     * ``...+ppN``: the data devices split into ``N`` pipeline stages, the loss's layer scan
       piped over them (:func:`jax_drain.make_train_step` with ``TrainConfig(stage_axis=
-      "stage")``, the most micro-batches up to ``2N`` that divide the ``N`` devices' rows). The step compiled is the whole train step with plain
-      SGD (no optimizer state), its inputs the train state and the batch: the gradient, each
-      stage's chain and an in-place update.
+      "stage")``, the most micro-batches up to ``2N`` that divide the ``N`` devices' rows). The
+      step compiled is the whole train step with plain SGD (no optimizer state), its inputs the
+      train state and the batch: the gradient, each stage's chain and an in-place update.
 
     ``order`` (the gradient-ready order, :func:`jax_drain.grad_ready_order`) and, for
     ``+blocks``, ``groups`` (:func:`jax_drain.remat_groups`) are traced from ``loss_fn`` when not
@@ -734,11 +734,10 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     piped = stages * min(rows)  # the rows a stage pipes
     microbatches = max(m for m in range(1, 2 * stages + 1) if piped % m == 0)
     config = TrainConfig(
-        axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, bucket_size=bucket_size, reduce=strategy.reduce,
-        drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight, shard_params=strategy.zero3,
-        split_leaves=strategy.split,
-        reshard_after_forward=strategy.reshard_after_forward, bucket_boundaries="remat" if strategy.blocks else None,
-        **tp)
+        axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, bucket_size=bucket_size,
+        reduce=strategy.reduce, drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight,
+        split_leaves=strategy.split, shard_params=strategy.zero3, reshard_after_forward=strategy.reshard_after_forward,
+        bucket_boundaries="remat" if strategy.blocks else None, **tp)
     try:
         step = make_train_step(params, loss_fn, optax.sgd(1e-3), staged, config, example_batch=batch)
     except ValueError as e:
