@@ -432,10 +432,12 @@ def _norm_loss(model, batch):
     return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
 
 
-def test_per_layer_model_state_reaches_each_stage_s_layers():
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_per_layer_model_state_reaches_each_stage_s_layers(shard_params):
     """The layers' running statistics (evaluation mode) and dropout keys are per-layer model
     state: each stage reads its own layers' share, and SGD follows one-device optax on whole
-    batches within the rounding of its gradients; the state itself is handed back unchanged."""
+    batches within the rounding of its gradients, ZeRO-1 and ZeRO-3; the state itself is handed
+    back unchanged."""
     rng = np.random.default_rng(9)
     batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32),
                 "y": jnp.asarray(rng.normal(size=(8 * ROWS,)), jnp.float32)} for _ in range(STEPS)]
@@ -446,7 +448,8 @@ def test_per_layer_model_state_reaches_each_stage_s_layers():
                            for x in jax.tree.leaves(nnx.to_pure_dict(state))]  # noqa: E731
     want_state = plain(other)
     step = jd.make_train_step(model, _norm_loss, optax.sgd(0.2), _mesh((2, 4)),
-                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4), example_batch=batches[0])
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params),
+                              example_batch=batches[0])
     state = step.init()
     for batch in batches:
         state, metrics = step(state, batch)
