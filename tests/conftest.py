@@ -27,6 +27,12 @@ _ACCELERATOR = "cuda" if _ACCELERATOR == "gpu" else _ACCELERATOR
 # ZeRO-3 on a tensor-parallel mesh) agree bit for bit at levels 1 and 2. Subprocesses inherit it.
 if _ACCELERATOR == "cpu" and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=1"
+# XLA:CPU's older elemental emitters, not its MLIR fusion emitters: the same IEEE arithmetic,
+# generated for far less compile time (test_zero3.py, test_pipeline.py and test_feedback.py in
+# one process: 408 s with the fusion emitters, 283 s without). CPU code generation only: the GPU
+# compiler's assignment, schedule and prices do not read it (tests/test_gpu_targets.py checks).
+if _ACCELERATOR == "cpu" and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ["JAX_PLATFORMS"] = "cpu" if _ACCELERATOR == "cpu" else f"cpu,{_ACCELERATOR}"
 
 # One persistent compilation cache per run, shared by the xdist workers (they inherit the
