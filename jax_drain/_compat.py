@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, Hashable, Iterator
 
 import jax
+import jax.numpy as jnp
 
 AxisName = Hashable
 
@@ -68,6 +69,32 @@ def aval_varying_axes(aval: Any) -> frozenset:
     return frozenset(vma)
 
 
+def struct_varying_axes(struct: Any) -> frozenset:
+    """:func:`varying_axes` of a ``jax.eval_shape`` result inside ``shard_map``."""
+    varying = getattr(struct, "vma", None)
+    if varying is None:
+        varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
+    return frozenset(varying or ())
+
+
+def zeros_of(struct: Any) -> jax.Array:
+    """Zeros of a ``jax.eval_shape`` result inside ``shard_map``, varying along the manual axes
+    it varies along (so that, e.g., a ``lax.cond`` branch of zeros types like the other)."""
+    return mark_varying(jnp.zeros(struct.shape, struct.dtype), tuple(struct_varying_axes(struct)))
+
+
+def settle_carry(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, x: Any) -> Any:
+    """``init`` made to vary along every manual axis that ``body(init, x)[0]`` (a ``lax.scan``
+    body's new carry) varies along, so that the loop's carry keeps one type."""
+    for _ in range(8):
+        out = jax.eval_shape(body, init, x)[0]
+        settled = jax.tree.map(lambda a, s: mark_varying(a, tuple(struct_varying_axes(s))), init, out)
+        if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(settled), jax.tree.leaves(init))):
+            return settled
+        init = settled
+    raise RuntimeError("settle_carry: the carry's varying axes did not settle")  # pragma: no cover
+
+
 def vma_checked() -> bool:
     """Whether the enclosing ``shard_map`` tracks varying manual axes (``check_vma=True``)."""
     from jax._src import config  # private, but the only source of this fact
@@ -94,7 +121,10 @@ def bound_axis_sizes() -> dict:
 
 
 def bind_eqn(eqn: Any, invals: list) -> Any:
-    """Re-binds a jaxpr equation's primitive to new inputs, as ``jax.core.eval_jaxpr`` does."""
+    """Re-binds a jaxpr equation's primitive to new inputs, as ``jax.core.eval_jaxpr`` does; a
+    ``pvary`` of an input that already varies along some of its axes casts along the others."""
+    if eqn.primitive.name == "pvary" and len(invals) == 1:
+        return mark_varying(invals[0], tuple(eqn.params["axes"]))
     return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
 
 

@@ -26,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,12 @@ import numpy as np
 
 from jax_drain import _compat
 from jax_drain._jaxpr import PLAIN_CALLS, LAYERWISE, call_body, layerwise_outputs
+from jax_drain.losses import WeightedLoss
 
 PyTree = Any
 
-#: The schedules :func:`pipeline` runs.
-SCHEDULES = ("gpipe",)
+#: The schedules a stage axis runs: :func:`gpipe` and :func:`one_f_one_b`.
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def num_ticks(microbatches: int, stages: int) -> int:
@@ -119,6 +120,204 @@ def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
     return outputs
 
 
+class OneFOneB(NamedTuple):
+    """What :func:`one_f_one_b` gives back on each stage (zeros where a stage has none)."""
+
+    #: ``head``'s ``(total, extra)`` summed over the micro-batches: on the last stage.
+    value: PyTree
+    #: The gradient of the summed totals w.r.t. this stage's ``stage_params``.
+    stage_grads: PyTree
+    #: ... w.r.t. ``head_params``: on the last stage.
+    head_grads: PyTree
+    #: ... w.r.t. ``inputs`` (``[microbatches, ...]``): on stage 0.
+    input_grads: PyTree
+    #: ... w.r.t. ``side`` (``[microbatches, ...]``): this stage's layers' part (the sum over the
+    #: stage axis is the whole).
+    side_grads: PyTree
+
+
+def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
+                head: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]], head_params: PyTree, *,
+                axis: str, side: PyTree = None) -> OneFOneB:
+    """The 1F1B schedule in lock step, its gradients taken as it runs: forward and backward
+    interleaved, one micro-batch of each per tick, so that stage ``s`` holds at most
+    ``2 * (stages - 1 - s) + 1`` micro-batches' stage inputs (stage 0 the most, ``2 * stages -
+    1``, however many micro-batches), where differentiating :func:`gpipe` holds every tick's.
+
+    Micro-batch ``m`` runs forward on stage ``s`` at tick ``m + s``; the last stage applies
+    ``head`` to it at once and starts its backward in the same tick; stage ``s`` runs the
+    backward at tick ``m + 2 * (stages - 1) - s``, recomputing its layers from the stashed input
+    (as ``remat=True`` does). A stage skips (``lax.cond``) a forward or backward it has none for,
+    so that the ``microbatches + 2 * (stages - 1)`` ticks cost what GPipe's do: a tick costs a
+    forward only while some stage has one, a backward likewise. In one SPMD program every stage
+    runs every tick: a stage's backward waits for the next stage's, hop by hop, which is why
+    stage 0 holds twice the stages of micro-batches where an unsynchronised 1F1B holds ``stages``.
+
+    Args:
+        stage_fn: ``stage_fn(stage_params, x)`` (with ``side``: ``stage_fn(stage_params, x,
+            side_m)``), one stage's layers on one micro-batch, as for :func:`gpipe`.
+        stage_params: this stage's parameters.
+        inputs: every micro-batch, ``[microbatches, ...]`` arrays read on stage 0.
+        head: ``head(head_params, y, m) -> (total, extra)``, run on the last stage: micro-batch
+            ``m``'s loss from the stack's output ``y``; ``total`` a float scalar (differentiated,
+            with cotangent 1), ``extra`` a pytree of arrays summed undifferentiated (a count).
+        head_params: what ``head`` is differentiated for besides ``y``.
+        axis: the stage axis, manual in the enclosing ``shard_map``.
+        side: ``[microbatches, ...]`` arrays every stage reads with the micro-batch (:func:`gpipe`).
+
+    Returns the :class:`OneFOneB` sums. Gradients are summed in float32 and come back in their
+    leaves' dtypes, each stage's own (varying along ``axis``: sum a parameter's over the stages
+    where it is one); only floating leaves are differentiated (the others get zeros).
+
+    Example::
+
+        @jax.shard_map(mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P("stage"))
+        def grads(layers, head_w, x):  # x: [microbatches, rows, width], on every stage
+            head = lambda w, y, m: (jnp.mean((y @ w) ** 2), ())
+            return one_f_one_b(stage_fn, layers, x, head, head_w, axis="stage").stage_grads
+    """
+    stages = _compat.axis_size(axis)
+    sizes = {x.shape[0] for x in jax.tree.leaves((inputs, side))}
+    if len(sizes) != 1:
+        raise ValueError(f"one_f_one_b: inputs and side need one leading (micro-batch) dimension, got {sorted(sizes)}")
+    (microbatches,) = sizes
+    stage = jax.lax.axis_index(axis)
+    first, last = stage == 0, stage == stages - 1
+    slots = min(microbatches, 2 * stages - 1)
+    vary = lambda tree: jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), tree)  # noqa: E731
+    inputs, side = vary((inputs, side))
+    # Each stage differentiates its own copy of the parameters: the sum over the stage axis that
+    # jax's transpose would insert stays out of the branches that only some stages take.
+    stage_params, head_params = _vary_inexact((stage_params, head_params), axis)
+    call = stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
+    at = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)  # noqa: E731
+    one = at(inputs, 0)
+
+    def stage_pull(x: PyTree, m: jax.Array, cot: PyTree) -> tuple:
+        _, pull = _vjp_inexact(call, stage_params, x, at(side, m))
+        return pull(cot)
+
+    def head_pull(y: PyTree, m: jax.Array) -> tuple:
+        (total, extra), pull = _vjp_inexact(lambda hp, y_: head(hp, y_, m), head_params, y, has_aux=True)
+        return total, extra, *pull(jnp.ones_like(total))
+
+    zeros = lambda fn, *args: jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))  # noqa: E731
+
+    def when(pred: jax.Array, fn: Callable, *args: Any) -> Any:  # fn(*args) where pred, else its zeros
+        return jax.lax.cond(pred, fn, lambda *_: zeros(fn, *args), *args)
+
+    def keep(buffer: PyTree, i: jax.Array, pred: jax.Array, value: PyTree) -> PyTree:  # buffer[i] = value where pred
+        return jax.tree.map(lambda a, v, old: jax.lax.dynamic_update_index_in_dim(
+            a, jnp.where(pred, v.astype(a.dtype), old), i, 0), buffer, value, at(buffer, i))
+
+    forward = [(s, s + 1) for s in range(stages - 1)]
+    backward = [(s + 1, s) for s in range(stages - 1)]
+
+    def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+        received, cot_in, stash, value, grads, head_grads, input_grads, side_grads = carry
+        f = t - stage  # the micro-batch this stage runs forward, if any
+        fm = jnp.clip(f, 0, microbatches - 1)
+        has_f = (f >= 0) & (f < microbatches)
+        x = jax.tree.map(lambda a, b: jnp.where(first, a, b), at(inputs, fm), received)
+        y = when(has_f, lambda x_, m: call(stage_params, x_, at(side, m)), x, fm)
+        stash = keep(stash, fm % slots, has_f, x)
+        total, extra, d_head, dy = when(has_f & last, head_pull, y, fm)
+        value = jax.tree.map(jnp.add, value, (total, extra))
+        b = t - 2 * (stages - 1) + stage  # the micro-batch this stage runs backward, if any
+        bm = jnp.clip(b, 0, microbatches - 1)
+        has_b = (b >= 0) & (b < microbatches)
+        cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, cot_in)
+        d_stage, dx, d_side = when(has_b, stage_pull, at(stash, bm % slots), bm, cot)
+        acc = lambda a, g: a + g.astype(a.dtype)  # noqa: E731
+        grads, head_grads = jax.tree.map(acc, grads, d_stage), jax.tree.map(acc, head_grads, d_head)
+        input_grads = keep(input_grads, bm, has_b & first, dx)
+        side_grads = keep(side_grads, bm, has_b, jax.tree.map(jnp.add, at(side_grads, bm), d_side))
+        received = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
+        cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
+        return (received, cot_in, stash, value, grads, head_grads, input_grads, side_grads), None
+
+    # Sums in float32 (float64 stays); stand-ins where a leaf has no gradient.
+    sums = lambda tree: jax.tree.map(lambda a: jnp.zeros(np.shape(a), _sum_dtype(a)), tree)  # noqa: E731
+    value = zeros(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
+    init = vary((one, one, jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), one), value,
+                 sums(stage_params), sums(head_params), sums(inputs), sums(side)))
+    ticks = jnp.arange(microbatches + 2 * (stages - 1))
+    carry, _ = jax.lax.scan(tick, _compat.settle_carry(tick, init, ticks[0]), ticks)
+    _, _, _, value, grads, head_grads, input_grads, side_grads = carry
+    cast = lambda acc, like: jax.tree.map(  # noqa: E731
+        lambda a, x: a.astype(x.dtype) if _inexact(x) else a, acc, like)
+    return OneFOneB(value, cast(grads, stage_params), cast(head_grads, head_params), cast(input_grads, inputs),
+                    cast(side_grads, side))
+
+
+def _transpose_cast(grad: jax.Array, like: Any) -> jax.Array:
+    """``grad`` summed over the manual axes along which it varies and ``like`` does not: what
+    differentiating through the implicit cast of an axis-invariant input gives."""
+    extra = tuple(sorted(_compat.varying_axes(grad) - _compat.varying_axes(like), key=str))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
+def _one_seed(seed: jax.Array, grad: jax.Array) -> jax.Array:
+    """``seed`` (a scalar cotangent) typed like ``grad``: where ``grad`` is already summed over
+    devices that ``seed`` varies along, their seeds must agree (``jax.grad`` of the loss gives
+    ones); where they do not, NaN, never a silently wrong gradient."""
+    axes = tuple(sorted(_compat.varying_axes(seed) - _compat.varying_axes(grad), key=str))
+    if not axes:
+        return seed
+    high, low = jax.lax.pmax(seed, axes), jax.lax.pmin(seed, axes)
+    return jnp.where(high == low, high, jnp.nan)
+
+
+def _vary_inexact(tree: PyTree, axis: str) -> PyTree:
+    """``tree`` with its floating leaves varying along ``axis``."""
+    return jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)) if _inexact(x) else x, tree)
+
+
+def _inexact(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return jnp.issubdtype(dtype if dtype is not None else jnp.result_type(x), jnp.inexact)
+
+
+def _sum_dtype(x: Any) -> Any:
+    return jnp.promote_types(x.dtype, jnp.float32) if _inexact(x) else jnp.float32
+
+
+def _vjp_inexact(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable[[Any], tuple]]:
+    """``jax.vjp`` of ``fn(*args)`` between the floating leaves of ``args`` and of its output:
+    ``(out, pull)``, where ``pull(cot)`` (``cot`` shaped like ``out``; its other leaves are not
+    read) gives a cotangent per argument shaped like it, float32 zeros at the leaves that are not
+    floating (integers, keys). With ``has_aux``, ``fn`` returns ``(out, aux)`` and so does the
+    first result."""
+    leaves, tree = jax.tree.flatten(args)
+    wrt = [k for k, x in enumerate(leaves) if _inexact(x)]
+    shape: dict[str, Any] = {}
+
+    def of(*diff: Any) -> tuple[list, tuple]:
+        full = list(leaves)
+        for k, d in zip(wrt, diff):
+            full[k] = d
+        out = fn(*jax.tree.unflatten(tree, full))
+        out, aux = out if has_aux else (out, None)
+        flat, shape["tree"] = jax.tree.flatten(out)
+        shape["keep"] = [_inexact(x) for x in flat]
+        return [x for x, k in zip(flat, shape["keep"]) if k], ([x for x, k in zip(flat, shape["keep"]) if not k], aux)
+
+    kept, pull, (others, aux) = jax.vjp(of, *[leaves[k] for k in wrt], has_aux=True)
+    kept_it, others_it = iter(kept), iter(others)
+    out = jax.tree.unflatten(shape["tree"], [next(kept_it) if k else next(others_it) for k in shape["keep"]])
+
+    def pull_all(cot: Any) -> tuple:
+        flat = shape["tree"].flatten_up_to(cot)
+        grads = pull([_compat.mark_varying(_transpose_cast(c.astype(x.dtype), x), tuple(_compat.varying_axes(x)))
+                      for c, x, k in zip(flat, jax.tree.leaves(out), shape["keep"]) if k])
+        full = [jnp.zeros(np.shape(x), jnp.float32) for x in leaves]
+        for k, g in zip(wrt, grads):
+            full[k] = g
+        return tuple(jax.tree.unflatten(tree, full))
+
+    return ((out, aux) if has_aux else out), pull_all
+
+
 def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *, axis: str,
              microbatches: int, schedule: str = "gpipe", remat: bool = True, side: PyTree = None) -> PyTree:
     """The whole stack (every stage of ``axis`` in order) applied to this device's part of the
@@ -136,13 +335,15 @@ def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *
         x: this device's rows; every device of the stage axis gives as many.
         axis: the stage axis, manual in the enclosing ``shard_map``.
         microbatches: micro-batches in flight; must divide ``S * batch``.
-        schedule: ``"gpipe"`` (:data:`SCHEDULES`).
+        schedule: ``"gpipe"`` (the forward alone; ``"1f1b"`` is :func:`one_f_one_b`).
         remat: as for :func:`gpipe`.
         side: arrays of this device's rows (``[batch, ...]``, as ``x``) that every stage reads
             with the rows it works on, without passing them on (:func:`gpipe`).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule != "gpipe":
+        hint = (" (1F1B interleaves each micro-batch's backward with the forward, so it needs the loss: use "
+                "one_f_one_b or pipelined(..., schedule='1f1b'))" if schedule == "1f1b" else "")
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; use 'gpipe'{hint}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
     stages = _compat.axis_size(axis)
@@ -167,7 +368,7 @@ def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *
 
 
 def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis: str, microbatches: int,
-              schedule: str = "gpipe", remat: bool = True) -> Callable[[PyTree, PyTree], Any]:
+              schedule: str = "gpipe", remat: bool = True, has_state: bool = False) -> Callable[[PyTree, PyTree], Any]:
     """``loss_fn(params, batch)`` with its layer scan run as a pipeline over ``axis``: the model
     unchanged, called inside ``shard_map`` with ``axis`` manual, each stacked leaf of ``params``
     this stage's ``[layers / stages, ...]`` block and ``batch`` this device's rows (every leaf
@@ -175,18 +376,34 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
 
     The loss is traced, the ``jax.lax.scan`` whose scanned inputs are the ``stacked`` leaves
     (``nnx.scan``, ``nn.scan``, found through ``jit`` calls as :func:`jax_drain.stacked_leaves`
-    finds it) is replaced by :func:`pipeline` of that scan over this stage's layers, and the rest
-    runs as written on this device's rows. The layers see one micro-batch's rows at a time (as
-    with ``TrainConfig(microbatches=...)``: a statistic over the rows inside a layer is the
-    micro-batch's), so the scan's body is traced a second time at that size. What the scan
-    carries must be rows (a residual stream ``[rows, ...]``); a loop-invariant input with a row
-    per carried row (an attention mask) travels with its rows; a value computed from the batch
-    that is not (a norm of all this device's rows, say) is refused: no micro-batch has it.
+    finds it) is replaced by the pipeline of that scan over this stage's layers, and the rest
+    runs as written. The layers see one micro-batch's rows at a time (as with
+    ``TrainConfig(microbatches=...)``: a statistic over the rows inside a layer is the
+    micro-batch's), so the loss is traced a second time at that size. What the scan carries must
+    be rows (a residual stream ``[rows, ...]``); a loop-invariant input with a row per carried
+    row (an attention mask) travels with its rows; a value computed from the batch that is not
+    (a norm of all this device's rows, say) is refused: no micro-batch has it.
+
+    The schedules:
+
+    * ``"gpipe"`` (:func:`pipeline`): what runs before and after the stack runs on this
+      device's rows, data parallel over ``axis`` too; the value is this device's loss.
+    * ``"1f1b"`` (:func:`one_f_one_b`): the loss after the stack runs on the last stage, one
+      micro-batch at a time, so that each micro-batch's backward starts as soon as its forward
+      ends; what runs before the stack stays data parallel. ``loss_fn`` returns a scalar mean or
+      a :class:`~jax_drain.WeightedLoss` (with ``has_state``, ``(that, state)``, the state
+      handed back unchanged); the loss of the stage axis's rows is the micro-batches' (a mean:
+      the mean of their means, as for ``TrainConfig(microbatches=...)``). It lands on the last
+      stage, zeros on the others, as the sum of the stage axis's devices' losses: summed over
+      ``axis`` it is what ``"gpipe"`` gives summed. Its gradient is taken as the schedule
+      runs; differentiate the result once (``jax.grad``), for the loss total only.
 
     Args:
         loss_fn: the model's loss, ``loss_fn(params, batch)``.
         stacked: a pytree of bools like ``params``: the leaves the layer scan iterates over.
-        axis, microbatches, schedule, remat: as for :func:`pipeline`.
+        axis, microbatches, remat: as for :func:`pipeline` (``"1f1b"`` always recomputes).
+        schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
+        has_state: ``loss_fn`` returns ``(output, new_state)`` (``"1f1b"`` only needs it said).
 
     Example::
 
@@ -197,6 +414,42 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
         raise ValueError(f"pipelined: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
 
     def wrapped(params: PyTree, batch: PyTree) -> Any:
+        traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=schedule == "1f1b")
+        if schedule == "1f1b":
+            return _one_f_one_b_loss(traced, has_state)
+        rewriter = _StackRewriter(traced, lambda stack: pipeline(
+            stack.stage_fn, stack.layers, stack.carry, axis=axis, microbatches=microbatches, remat=remat,
+            side=stack.side or None))
+        outs = rewriter.eval(*traced.full_args())
+        traced.check_found(rewriter)
+        return jax.tree.unflatten(traced.out_tree, [_piped(x) for x in outs])
+
+    return wrapped
+
+
+class _Traced(NamedTuple):
+    """A loss traced for piping: at this device's rows (``full``) and at one micro-batch's
+    (``small``, whose layer scan ``body`` is what each stage runs)."""
+
+    full: Any
+    small: Any
+    body: Any
+    leaves: list
+    batch: list
+    mask: list
+    paths: list[str]
+    out_tree: Any
+    out_shape: Any
+    count: int
+    size: int
+    axis: str
+    microbatches: int
+
+    @staticmethod
+    def of(loss_fn: Callable, params: PyTree, stacked: PyTree, batch: PyTree, axis: str, microbatches: int, *,
+           stage_copies: bool = False) -> "_Traced":
+        """``stage_copies``: the micro-batch's trace takes the floating parameters varying along
+        ``axis``, as :func:`one_f_one_b` differentiates them."""
         leaves, treedef = jax.tree.flatten(params)
         mask = jax.tree.leaves(stacked)
         if jax.tree.structure(stacked) != treedef or not all(isinstance(m, bool) for m in mask):
@@ -218,24 +471,138 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
             return loss_fn(jax.tree.unflatten(treedef, flat[:len(leaves)]),
                            jax.tree.unflatten(batch_tree, flat[len(leaves):]))
 
-        closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves, *flat_batch)
+        full, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves, *flat_batch)
         # The same loss at one micro-batch's rows: the layer scan's body to pipe.
         # (Rows cut from the batch itself, so that they vary over the mesh axes as the batch does.)
         reps = -(-size // count)
         micro = [jax.lax.slice_in_dim(jnp.concatenate([b] * reps) if reps > 1 else b, 0, size) for b in flat_batch]
-        small = jax.make_jaxpr(flat_loss)(*leaves, *micro)
-        invars, small_invars = closed.jaxpr.invars, small.jaxpr.invars
-        body = _layer_scan(small.jaxpr, {small_invars[i] for i, m in enumerate(mask) if m})
-        rewriter = _StackRewriter(body, count, size, leaf_paths_of(params), axis, microbatches, schedule, remat)
-        outs = rewriter.eval(closed.jaxpr, closed.consts, [*leaves, *flat_batch],
-                             {invars[i]: i for i, m in enumerate(mask) if m}, set(invars[len(leaves):]))
-        if not rewriter.found:
+        small = jax.make_jaxpr(flat_loss)(*(_vary_inexact(leaves, axis) if stage_copies else leaves), *micro)
+        body = _layer_scan(small.jaxpr, {small.jaxpr.invars[i] for i, m in enumerate(mask) if m})
+        return _Traced(full, small, body, leaves, flat_batch, mask, leaf_paths_of(params),
+                       jax.tree.structure(out_shape), out_shape, count, size, axis, microbatches)
+
+    def full_args(self, leaves: list | None = None, batch: list | None = None) -> tuple:
+        """``_StackRewriter.eval``'s arguments for the loss at this device's rows (``leaves`` and
+        ``batch``: the traced ones unless given)."""
+        return self._args(self.full, self.leaves if leaves is None else leaves, self.batch if batch is None else batch)
+
+    def small_args(self, leaves: list, batch: list) -> tuple:
+        """... at one micro-batch's rows, ``batch``."""
+        return self._args(self.small, leaves, batch)
+
+    def _args(self, closed: Any, leaves: list, batch: list) -> tuple:
+        invars = closed.jaxpr.invars
+        return (closed.jaxpr, closed.consts, [*leaves, *batch], {invars[i]: i for i, m in enumerate(self.mask) if m},
+                set(invars[len(leaves):]))
+
+    def check_found(self, rewriter: "_StackRewriter") -> None:
+        if rewriter.stack is None:
             raise ValueError("pipelined: loss_fn has no jax.lax.scan over the stacked leaves; the stage axis "
                              "splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
                              "parameters)")
-        return jax.tree.unflatten(jax.tree.structure(out_shape), [_piped(x) for x in outs])
 
-    return wrapped
+    def split(self, tree: PyTree) -> PyTree:
+        """This device's rows of ``tree`` gathered over the stage axis, as ``[microbatches, ...]``."""
+        gathered = jax.tree.map(lambda a: jax.lax.all_gather(a, self.axis, tiled=True), tree)
+        return jax.tree.map(lambda a: a.reshape(self.microbatches, self.size, *a.shape[1:]), gathered)
+
+    def scatter(self, tree: PyTree) -> PyTree:
+        """:meth:`split`'s transpose: ``[microbatches, ...]`` summed over the stage axis, this
+        device's rows of the sum."""
+        return jax.tree.map(lambda a: jax.lax.psum_scatter(
+            a.reshape(self.microbatches * self.size, *a.shape[2:]), self.axis, scatter_dimension=0, tiled=True),
+            tree)
+
+
+class _Stack(NamedTuple):
+    """The layer scan as the rewriter met it: ``stage_fn(layers, x[, side])``'s operands."""
+
+    stage_fn: Callable[..., list]
+    layers: list  # the scanned (stacked) inputs: this stage's layers
+    constants: list  # the scan's other loop-invariant inputs, the same at any rows
+    carry: list  # rows
+    side: list  # loop-invariant inputs with a row per row
+
+
+def _one_f_one_b_loss(traced: _Traced, has_state: bool) -> Any:
+    """The loss of :func:`pipelined` under :func:`one_f_one_b` (its ``"1f1b"`` schedule)."""
+    out, state = traced.out_shape if has_state else (traced.out_shape, None)
+    weighted = isinstance(out, WeightedLoss)
+    if not weighted and (not hasattr(out, "shape") or out.shape != () or not _inexact(out)):
+        raise ValueError("pipelined: the 1f1b schedule takes the loss per micro-batch: loss_fn must return a float "
+                         "scalar (a mean) or a jax_drain.WeightedLoss" + (", with the state" if has_state else "")
+                         + f", got {jax.tree.map(lambda x: (x.shape, str(x.dtype)), out)}")
+    outvars = traced.full.jaxpr.outvars
+    state_at = []
+    if has_state:
+        where = {v: k for k, v in enumerate(traced.full.jaxpr.invars)}
+        for v in outvars[len(jax.tree.leaves(out)):]:
+            if _compat.is_literal(v) or v not in where:
+                raise ValueError("pipelined: the loss updates its state (training-mode batch statistics, RNG "
+                                 "counters); the 1f1b schedule runs what follows the stack once per micro-batch "
+                                 "on the last stage, which would update it there alone: use pipeline_schedule="
+                                 "'gpipe', or run the model in evaluation mode")
+            state_at.append(where[v])
+    stages = _compat.axis_size(traced.axis)
+    # A mean over each micro-batch's rows: the stage axis's devices' summed loss is S / M times
+    # the micro-batches' summed means; a weighted loss's totals and counts just add up.
+    scale = 1.0 if weighted else stages / traced.microbatches
+    num_out = len(jax.tree.leaves(out))
+
+    @jax.custom_vjp
+    def loss(leaves: list, batch: list) -> list:
+        return run(leaves, batch)[0]
+
+    def run(leaves: list, batch: list) -> tuple[list, list]:
+        captured = []
+
+        def enter(leaves_: list) -> tuple:  # the stack's operands, from this device's rows
+            rewriter = _StackRewriter(traced, lambda stack: captured.append(stack) or [
+                jnp.zeros_like(c) for c in stack.carry])
+            rewriter.eval(*traced.full_args(leaves_, batch))
+            traced.check_found(rewriter)
+            stack = captured[-1]
+            return stack.layers, stack.constants, stack.carry, stack.side
+
+        (layers, constants, carry, side), enter_pull = _vjp_inexact(enter, leaves)
+        stage_fn = captured[-1].stage_fn
+        micro_batch = traced.split(batch)
+
+        def head(leaves_: list, y: list, m: jax.Array) -> tuple:
+            rewriter = _StackRewriter(traced, lambda stack: y, micro=True)
+            rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), micro_batch)
+            outs = [_piped(x) for x in rewriter.eval(*traced.small_args(leaves_, rows))[:num_out]]
+            return outs[0] * scale, outs[1:]
+
+        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, p[1]), _vary_inexact((layers, constants), traced.axis),
+                             traced.split(carry), head, leaves, axis=traced.axis,
+                             side=traced.split(side) if side else None)
+        d_layers, d_constants = result.stage_grads
+        d_side = traced.scatter(result.side_grads) if side else side
+        (d_enter,) = enter_pull((d_layers, d_constants, traced.scatter(result.input_grads), d_side))
+        grads = [_transpose_cast(a, x) + _transpose_cast(b, x) if _inexact(x) else a
+                 for a, b, x in zip(d_enter, result.head_grads, leaves)]
+        total, extra = result.value
+        return [total, *extra], grads
+
+    def forward(leaves: list, batch: list) -> tuple[list, list]:
+        return run(leaves, batch)
+
+    def backward(grads: list, cot: list) -> tuple:
+        # The stage axis's loss is on its last stage: so is the cotangent that scales it.
+        last = jax.lax.axis_index(traced.axis) == stages - 1
+        seed = jax.lax.psum(jnp.where(last, cot[0], 0), traced.axis)
+        return [g * _one_seed(seed, g).astype(g.dtype) if _inexact(x) else None
+                for g, x in zip(grads, traced.leaves)], None
+
+    loss.defvjp(forward, backward)
+    values = loss(traced.leaves, traced.batch)
+    value = jax.tree.unflatten(jax.tree.structure(out), values)
+    if not has_state:
+        return value
+    return value, jax.tree.unflatten(jax.tree.structure(state), [traced.leaves[k] if k < len(traced.leaves) else
+                                                                 traced.batch[k - len(traced.leaves)]
+                                                                 for k in state_at])
 
 
 def leaf_paths_of(params: PyTree) -> list[str]:
@@ -275,15 +642,15 @@ def _piped(x: Any) -> Any:
 
 
 class _StackRewriter:
-    """Evaluates a traced loss with its layer scan replaced by :func:`pipeline` of ``body`` (the
-    scan traced at a micro-batch's ``size`` rows); tracks which values come from the batch, to
-    tell the scan's row inputs from its constants."""
+    """Evaluates a traced loss (:class:`_Traced`) with its layer scan replaced by ``run(stack)``
+    (the carry it hands on, given the scan as a :class:`_Stack`); tracks which values come from
+    the batch, to tell the scan's row inputs from its constants."""
 
-    def __init__(self, body: Any, count: int, size: int, paths: list[str], axis: str, microbatches: int,
-                 schedule: str, remat: bool):
-        self.body, self.count, self.size, self.paths = body, count, size, paths
-        self.axis, self.microbatches, self.schedule, self.remat = axis, microbatches, schedule, remat
-        self.found = False
+    def __init__(self, traced: _Traced, run: Callable[[_Stack], list], *, micro: bool = False):
+        self.body, self.size, self.paths = traced.body, traced.size, traced.paths
+        self.count = traced.size if micro else traced.count  # the rows of the loss evaluated
+        self.run = run
+        self.stack: _Stack | None = None
 
     def eval(self, jaxpr: Any, consts: Any, args: list, tracked: dict, batch: set) -> list:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
@@ -331,7 +698,7 @@ class _StackRewriter:
         where = dict(hits)
         if self.body is None:  # pragma: no cover - the same loss traced at fewer rows lost its scan
             raise ValueError(f"pipelined: traced at {self.size} rows, loss_fn has no scan over the stacked leaves")
-        if self.found:
+        if self.stack is not None:
             raise ValueError(f"pipelined: a second scan over stacked leaf {self.paths[hits[0][1]]!r}; the stage "
                              "axis pipelines one layer scan per loss")
         if min(where) < first_xs:
@@ -365,16 +732,15 @@ class _StackRewriter:
                                  "but not one row per row: each micro-batch would read this device's")
             elif not isinstance(eqn.invars[k], _compat.Literal) and eqn.invars[k] in batch:
                 side_at.append(k)  # a micro-batch is a device's rows: its own rows' values
-        self.found = True
-        constants, body = list(invals[:num_consts]), self.body
+        body = self.body
+        constants = [v for k, v in enumerate(invals[:num_consts]) if k not in side_at]
 
-        def stage_fn(layers: list, x: list, side: Any = ()) -> list:
-            operands = list(constants)
-            for k, value in zip(side_at, side):
-                operands[k] = value
+        def stage_fn(layers: list, x: list, side: Any = (), consts: list = constants) -> list:
+            operands, given, rows = [], iter(consts), iter(side)
+            for k in range(num_consts):
+                operands.append(next(rows) if k in side_at else next(given))
             return list(_compat.bind_eqn(body, [*operands, *x, *layers])[:num_carry])
 
-        carried = pipeline(stage_fn, list(invals[first_xs:]), list(carry), axis=self.axis,
-                           microbatches=self.microbatches, schedule=self.schedule, remat=self.remat,
-                           side=[invals[k] for k in side_at] if side_at else None)
+        self.stack = _Stack(stage_fn, list(invals[first_xs:]), constants, list(carry), [invals[k] for k in side_at])
+        carried = self.run(self.stack)
         return [*carried, *ys]

@@ -229,8 +229,14 @@ class TrainConfig:
             as ``scan_layers`` finds it) is split into equal stages along ``stage_axis``, each
             device holding its stage's layers, and runs as a pipeline of
             ``pipeline_microbatches`` micro-batches (``None``: twice the stages) in the
-            ``pipeline_schedule`` (``"gpipe"``); what runs before and after the stack runs data
-            parallel over ``axis`` and ``stage_axis`` together, and the batch is split over both.
+            ``pipeline_schedule``. ``"gpipe"``: every forward, then every backward; what runs
+            before and after the stack runs data parallel over ``axis`` and ``stage_axis``
+            together. ``"1f1b"`` (:func:`jax_drain.pipeline.one_f_one_b`): each micro-batch's
+            backward starts as soon as its forward ends, the loss after the stack taken on the
+            last stage per micro-batch (the mean of the micro-batches' means, as with
+            ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
+            however many there are; the loss must not update model state. The batch is split over
+            ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
             stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own
@@ -244,7 +250,7 @@ class TrainConfig:
     Example::
 
         TrainConfig(bucket_size=10_000_000, reduce="fp32_accum", microbatches=4)
-        TrainConfig(axis="data", stage_axis="stage", pipeline_microbatches=8)
+        TrainConfig(axis="data", stage_axis="stage", pipeline_microbatches=8, pipeline_schedule="1f1b")
         TrainConfig(axis="data", outer_axis="replica", param_specs={"w": P(None, "model")})
     """
 
@@ -332,8 +338,7 @@ class TrainConfig:
     def _check_stage_axis(self, data_axes: tuple[str, ...]) -> None:
         if self.pipeline_schedule not in pipeline.SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {', '.join(pipeline.SCHEDULES)}, got "
-                             f"{self.pipeline_schedule!r}" + (" (1F1B is not built yet)" if self.pipeline_schedule
-                                                              == "1f1b" else ""))
+                             f"{self.pipeline_schedule!r}")
         if self.stage_axis is None:
             if self.pipeline_microbatches is not None or self.pipeline_schedule != "gpipe":
                 raise ValueError("pipeline_microbatches and pipeline_schedule set how a stage axis pipelines: give "
@@ -1280,7 +1285,7 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     derived = dataclasses.replace(
         config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
         param_specs=_stage_specs(mask, config.param_specs, params, stage), tensor_parallel="manual",
-        scan_layers=False, stage_axis=None, pipeline_microbatches=None)
+        scan_layers=False, stage_axis=None, pipeline_microbatches=None, pipeline_schedule="gpipe")
     per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
 
     def piped_fn(p: PyTree, state: PyTree, b: PyTree, device: Any) -> tuple[Any, PyTree]:
@@ -1288,7 +1293,8 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
         # statistics, RNG counters); the state stays whole on every device.
         local = jax.tree.map(lambda x, m: _stage_rows(x, stage) if m else x, state, state_mask)
         out, new = pipeline.pipelined(lambda ps, b_: loss(ps[0], ps[1], b_, device), (mask, state_mask), axis=stage,
-                                      microbatches=microbatches, schedule=config.pipeline_schedule)((p, local), b)
+                                      microbatches=microbatches, schedule=config.pipeline_schedule,
+                                      has_state=True)((p, local), b)
         if new is None:
             return out, new
         kept = []

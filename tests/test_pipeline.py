@@ -91,6 +91,54 @@ def test_pipeline_equals_the_stack_in_one_place(shape, microbatches, remat):
                            scale=magnitude, what="gradients")
 
 
+def _embed_stack_head(params, batch):
+    """A loss with something before the stack (an embedding), a row mask the layers read, and a
+    head after it: what 1F1B splits between stage 0's rows, the stages and the last stage."""
+    h = jnp.tanh(batch["x"] @ params["embed"])
+    keep = batch["keep"][:, None]
+    h = jax.lax.scan(lambda h, w: (layer(h, w) * keep + h * (1 - keep), None), h, params["layers"])[0]
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 4), 4), ((2, 4), 12), ((4, 2), 2)])
+def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shape, microbatches):
+    """pipelined(..., schedule="1f1b"): each micro-batch's head and backward run as soon as its
+    forward leaves the last stage; the loss summed over the devices and every gradient (the
+    embedding's, through the scattered input cotangents; the head's, from the last stage; the
+    layers', per stage) equal the one-place model's in float64 within the float32 rounding of
+    its gradient."""
+    rng = np.random.default_rng(5)
+    layers, x = _problem(5)
+    params = {"layers": layers, "embed": rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH),
+              "head": rng.normal(size=(WIDTH, 2))}
+    batch = {"x": x, "keep": (rng.random(8 * ROWS) < 0.7).astype(np.float32)}
+    stacked = {"layers": {k: True for k in layers}, "embed": False, "head": False}
+    specs = {"layers": {k: P("stage") for k in layers}, "embed": P(), "head": P()}
+    piped = pp.pipelined(_embed_stack_head, stacked, axis="stage", microbatches=microbatches, schedule="1f1b")
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(shape), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), specs))
+    def run(p, b):
+        value, grads = jax.value_and_grad(piped)(p, b)  # jax sums the invariant parameters' gradients
+        return jax.lax.psum(value, ("data", "stage")), grads
+
+    p32, b32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (params, batch))
+    value, grads = run(p32, b32)
+    total = lambda p, b: 8 * _embed_stack_head(p, b)  # noqa: E731  (the devices' losses summed)
+    with jax.enable_x64(True):
+        p64, b64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, batch))
+        want_value, want_grads = jax.value_and_grad(total)(p64, b64)
+        want_grads = jax.tree.map(np.asarray, want_grads)
+    # The one-place gradient's float32 chain, plus the micro-batches' and devices' sums and the
+    # S / M scale of each micro-batch's mean.
+    additions = rounding_chain(jax.grad(total), p32, b32) + microbatches + 8 + 1
+    assert abs(float(value) - float(want_value)) <= additions * EPS32 * abs(float(want_value))
+    # Scales as for GPipe: the loss is a sum of squares, its float64 value the sum of its |terms|.
+    assert_within_rounding(jax.tree.map(np.asarray, grads), want_grads, additions=additions,
+                           scale=float(want_value), what="1f1b gradients")
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+
+
 def test_a_stage_that_divides_by_a_norm_keeps_finite_gradients():
     """The ticks before a micro-batch reaches a stage run on the first micro-batch, not zeros:
     a stage normalising its input would make zeros NaN, and the dropped results' gradient with it."""
@@ -227,29 +275,31 @@ def test_what_the_pipeline_cannot_give_each_micro_batch_is_refused(loss, match):
 STEPS = 3
 
 
-def _gpt_step(shape, microbatches, batch, shard_params=False, split_leaves=False):
+def _gpt_step(shape, microbatches, batch, shard_params=False, split_leaves=False, schedule="gpipe"):
     config = _gpt(jnp.float32)
     model = models.GPT(config, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     step = jd.make_train_step(model, lambda m, b: m.loss(b), optax.sgd(0.5, momentum=0.9), _mesh(shape),
                               jd.TrainConfig(stage_axis="stage", pipeline_microbatches=microbatches,
+                                             pipeline_schedule=schedule,
                                              bucket_size=1000 if split_leaves else 4096, shard_params=shard_params,
                                              split_leaves=split_leaves),
                               example_batch=batch)
     return config, params, step
 
 
-@pytest.mark.parametrize("shape,microbatches,shard_params,split_leaves", [
-    ((2, 4), 8, False, False), ((4, 2), 4, True, False), ((2, 4), 4, False, True), ((4, 2), 2, True, True)])
+@pytest.mark.parametrize("shape,microbatches,shard_params,split_leaves,schedule", [
+    ((2, 4), 8, False, False, "gpipe"), ((4, 2), 4, True, False, "gpipe"), ((2, 4), 4, False, True, "1f1b"),
+    ((4, 2), 2, True, True, "1f1b"), ((2, 4), 8, True, False, "1f1b")])
 def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, shard_params,
-                                                                        split_leaves, tmp_path):
+                                                                        split_leaves, schedule, tmp_path):
     """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"), ZeRO-1 and ZeRO-3,
     whole leaves or leaves split over buckets: each device holds its stage's layers (with
     ZeRO-3, its shard of them), and SGD with momentum follows one-device optax on whole batches
     within the rounding of its gradients (the one-place step's chain, plus the 8 devices and the
     micro-batches summed)."""
     batches = [models.example_batch(_gpt(jnp.float32), 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
-    config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves)
+    config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule)
     assert (step.stage_axis, step.pipeline_microbatches) == ("stage", microbatches)
     assert all(chain.layout.split == split_leaves for chain in step.sync.chains if chain.layout.num_buckets > 1)
     state = step.init()
@@ -276,7 +326,7 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
     # Saved, restored into a fresh step, run on: the same losses, bit for bit.
     jd.save_checkpoint(tmp_path / "ckpt", state)
     continued = [float(step(state, b)[1].loss) for b in batches[STEPS:STEPS + 1]]
-    _, _, fresh = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves)
+    _, _, fresh = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule)
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
     assert [float(fresh(restored, b)[1].loss) for b in batches[STEPS:STEPS + 1]] == continued
 
@@ -341,7 +391,7 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
     (dict(stage_axis="stage", tensor_parallel="gspmd"), "tensor_parallel='gspmd'"),
     (dict(stage_axis="stage", microbatches=2), "microbatches=2"),
     (dict(pipeline_microbatches=4), "give stage_axis too"),
-    (dict(stage_axis="stage", pipeline_schedule="1f1b"), "1F1B is not built yet"),
+    (dict(stage_axis="stage", pipeline_schedule="interleaved"), "must be one of gpipe, 1f1b"),
     (dict(stage_axis="data"), "besides the data axes"),
 ])
 def test_a_stage_axis_refuses_what_it_does_not_do_yet(options, match):
