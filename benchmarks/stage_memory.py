@@ -5,7 +5,7 @@ Compiles the whole AdamW train step of ``gpt-blocks-scan`` (8 blocks, d_model 20
 sequences of 512 tokens per device) for compile-only H100s:
 
 * ``jd.make_train_step``, data parallel (the in-scan sync, and whole-leaf buckets) and with
-  ``TrainConfig(stage_axis="stage")`` (ZeRO-1 and ZeRO-3);
+  ``TrainConfig(stage_axis="stage")`` (GPipe and 1F1B, ZeRO-1 and ZeRO-3);
 * the GSPMD baseline: ``jax.jit`` of a loss whose stack runs as MaxText's pipeline runs it (the
   layers reshaped ``[stages, layers per stage, ...]`` and sharded over ``stage``, each tick a
   ``vmap`` of the stage over the stages and a shift of the stage inputs, XLA placing the
@@ -13,7 +13,8 @@ sequences of 512 tokens per device) for compile-only H100s:
   bf16, no fp32 master copy: jax_drain keeps both in float32, sharded over the data axis);
 
 on one host (8 GPUs) and two (``1x2x8``, the stage axis between the hosts), and prints XLA's
-temp and argument bytes per device, the stage-to-stage sends (collective-permutes) in the program,
+temp and argument bytes per device, the micro-batches' stage inputs each stage holds for
+backward at most (the schedule's), the stage-to-stage sends (collective-permutes) in the program,
 the schedule's bubble, how many of the gradient sync's collectives overlap compute, and XLA's
 predicted step where its estimator prices one.
 
@@ -51,14 +52,28 @@ LAYOUTS = (
     ("data 8, in-scan sync (scan_layers=True)", ONE_HOST, (8,), ("data",), dict(scan_layers=True)),
     ("data 8, whole-leaf buckets", ONE_HOST, (8,), ("data",), {}),
     ("data 4 x stage 2, 8 micro-batches", ONE_HOST, (4, 2), ("data", "stage"), dict(pipeline_microbatches=8)),
+    ("data 4 x stage 2, 8 micro-batches, 1F1B", ONE_HOST, (4, 2), ("data", "stage"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b")),
+    ("data 4 x stage 2, 8 micro-batches, 1F1B, bf16 sums", ONE_HOST, (4, 2), ("data", "stage"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b", accum_dtype=None)),
     ("data 4 x stage 2, GSPMD circular", ONE_HOST, (4, 2), ("data", "stage"), "gspmd_circular"),
     ("data 2 x stage 4, 8 micro-batches", ONE_HOST, (2, 4), ("data", "stage"), dict(pipeline_microbatches=8)),
     ("data 2 x stage 4, 8 micro-batches, ZeRO-3", ONE_HOST, (2, 4), ("data", "stage"),
      dict(pipeline_microbatches=8, shard_params=True)),
+    ("data 2 x stage 4, 8 micro-batches, 1F1B", ONE_HOST, (2, 4), ("data", "stage"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b")),
+    ("data 2 x stage 4, 8 micro-batches, 1F1B, ZeRO-3", ONE_HOST, (2, 4), ("data", "stage"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b", shard_params=True)),
     ("data 2 x stage 4, 16 micro-batches", ONE_HOST, (2, 4), ("data", "stage"), dict(pipeline_microbatches=16)),
+    ("data 2 x stage 4, 16 micro-batches, 1F1B", ONE_HOST, (2, 4), ("data", "stage"),
+     dict(pipeline_microbatches=16, pipeline_schedule="1f1b")),
+    ("data 2 x stage 4, 16 micro-batches, 1F1B, bf16 sums", ONE_HOST, (2, 4), ("data", "stage"),
+     dict(pipeline_microbatches=16, pipeline_schedule="1f1b", accum_dtype=None)),
     ("data 2 x stage 4, GSPMD circular", ONE_HOST, (2, 4), ("data", "stage"), "gspmd_circular"),
     ("2 hosts: data 16, in-scan sync", TWO_HOSTS, (16,), ("data",), dict(scan_layers=True)),
     ("2 hosts: stage 2 (the hosts) x data 8", TWO_HOSTS, (2, 8), ("stage", "data"), dict(pipeline_microbatches=8)),
+    ("2 hosts: stage 2 (the hosts) x data 8, 1F1B", TWO_HOSTS, (2, 8), ("stage", "data"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b")),
     ("2 hosts: stage 2 (the hosts) x data 8, GSPMD circular", TWO_HOSTS, (2, 8), ("stage", "data"),
      "gspmd_circular"),
 )
@@ -148,6 +163,8 @@ def measure(label: str, topology: str, shape: tuple[int, ...], axes: tuple[str, 
             "collective_permutes": sum(c.kind == "collective-permute" for c in report.all_collectives),
             "sync_overlapped_by_chain": None if how == "gspmd_circular" else overlapped_by_chain(report),
             "bubble": None if micro is None else pipeline.bubble_fraction(micro, stages),
+            "stage_inputs_held": None if micro is None or how == "gspmd_circular" else pipeline.stage_inputs_held(
+                micro, stages, fields.get("pipeline_schedule", "gpipe")),
             "predicted_step_s": None if timing is None else timing.step_s,
             "exposed_comm_s": None if timing is None else timing.exposed_comm_s,
             "unpriced": [] if timing is None else list(timing.unpriced),
@@ -171,15 +188,17 @@ def overlapped_by_chain(report) -> dict[str, list[int]]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | temp MiB | arguments MiB | stage sends | bubble | buckets' reduces overlapped | predicted step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| layout | temp MiB | arguments MiB | stage inputs held | stage sends | bubble | buckets' reduces "
+             "overlapped | predicted step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.0f}%"
+        held = "-" if r["stage_inputs_held"] is None else str(r["stage_inputs_held"])
         overlap = "-" if r["sync_overlapped_by_chain"] is None else ", ".join(
             f"{name} {done}/{total}" for name, (done, total) in sorted(r["sync_overlapped_by_chain"].items()))
         step = "-" if r["predicted_step_s"] is None else f"{1e3 * r['predicted_step_s']:.1f} ms"
         lines.append(f"| {r['layout']} | {r['temp_bytes'] / 2**20:,.0f} | {r['argument_bytes'] / 2**20:,.0f} | "
-                     f"{r['collective_permutes']} | {bubble} | {overlap} | {step} |")
+                     f"{held} | {r['collective_permutes']} | {bubble} | {overlap} | {step} |")
     return "\n".join(lines)
 
 

@@ -71,6 +71,24 @@ def call_body(eqn: Any, calls: frozenset = INLINE_CALLS) -> tuple[Any, tuple] | 
     return jaxpr, consts
 
 
+def used_inputs(jaxpr: Any) -> list[bool]:
+    """Which of ``jaxpr``'s inputs its outputs depend on: a backward walk from the outputs,
+    through plain calls; any other equation reads all its inputs for any output it gives."""
+    live = {v for v in jaxpr.outvars if not is_literal(v)}
+    for eqn in reversed(jaxpr.eqns):
+        wanted = [v in live for v in eqn.outvars]
+        if not any(wanted):
+            continue
+        body = call_body(eqn, PLAIN_CALLS)
+        if body is not None:
+            inner = body[0]
+            sub = used_inputs(inner.replace(outvars=[v for v, w in zip(inner.outvars, wanted) if w]))
+            live.update(v for v, u in zip(eqn.invars, sub) if u and not is_literal(v))
+        else:
+            live.update(v for v in eqn.invars if not is_literal(v))
+    return [v in live for v in jaxpr.invars]
+
+
 def sub_jaxprs(eqn: Any) -> Iterator[Any]:
     """Every jaxpr in an equation's parameters (loop bodies, branches, call bodies)."""
     for value in eqn.params.values():

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_drain import _compat
+from jax_drain import _compat, _jaxpr
 from jax_drain._jaxpr import PLAIN_CALLS, LAYERWISE, call_body, layerwise_outputs
 from jax_drain.losses import WeightedLoss
 
@@ -57,6 +57,21 @@ def bubble_fraction(microbatches: int, stages: int) -> float:
         0.2727272727272727
     """
     return (stages - 1) / num_ticks(microbatches, stages)
+
+
+def stage_inputs_held(microbatches: int, stages: int, schedule: str = "gpipe") -> int:
+    """The most micro-batches' stage inputs a stage holds for its backward (the stage recomputed
+    from them): GPipe every tick's, ``microbatches + stages - 1``; 1F1B in lock step
+    ``min(microbatches, 2 * stages - 1)`` (stage 0; stage ``s`` holds ``2 * (stages - 1 - s) + 1``).
+
+    Example::
+
+        >>> stage_inputs_held(16, 4, "gpipe"), stage_inputs_held(16, 4, "1f1b")
+        (19, 7)
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"stage_inputs_held: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    return num_ticks(microbatches, stages) if schedule == "gpipe" else min(microbatches, 2 * stages - 1)
 
 
 def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree, *, axis: str,
@@ -138,7 +153,7 @@ class OneFOneB(NamedTuple):
 
 def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
                 head: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]], head_params: PyTree, *,
-                axis: str, side: PyTree = None) -> OneFOneB:
+                axis: str, side: PyTree = None, accum_dtype: Any = jnp.float32) -> OneFOneB:
     """The 1F1B schedule in lock step, its gradients taken as it runs: forward and backward
     interleaved, one micro-batch of each per tick, so that stage ``s`` holds at most
     ``2 * (stages - 1 - s) + 1`` micro-batches' stage inputs (stage 0 the most, ``2 * stages -
@@ -164,8 +179,11 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         head_params: what ``head`` is differentiated for besides ``y``.
         axis: the stage axis, manual in the enclosing ``shard_map``.
         side: ``[microbatches, ...]`` arrays every stage reads with the micro-batch (:func:`gpipe`).
+        accum_dtype: what the gradients are summed in over the micro-batches (``None``: their own
+            dtype, as differentiating :func:`gpipe` sums them; a float32 sum of bf16 gradients
+            holds twice their bytes).
 
-    Returns the :class:`OneFOneB` sums. Gradients are summed in float32 and come back in their
+    Returns the :class:`OneFOneB` sums. Gradients are summed in ``accum_dtype`` and come back in their
     leaves' dtypes, each stage's own (varying along ``axis``: sum a parameter's over the stages
     where it is one); only floating leaves are differentiated (the others get zeros).
 
@@ -183,7 +201,7 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     (microbatches,) = sizes
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == stages - 1
-    slots = min(microbatches, 2 * stages - 1)
+    slots = stage_inputs_held(microbatches, stages, "1f1b")
     vary = lambda tree: jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), tree)  # noqa: E731
     inputs, side = vary((inputs, side))
     # Each stage differentiates its own copy of the parameters: the sum over the stage axis that
@@ -236,8 +254,8 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
         return (received, cot_in, stash, value, grads, head_grads, input_grads, side_grads), None
 
-    # Sums in float32 (float64 stays); stand-ins where a leaf has no gradient.
-    sums = lambda tree: jax.tree.map(lambda a: jnp.zeros(np.shape(a), _sum_dtype(a)), tree)  # noqa: E731
+    # Sums in accum_dtype (a wider dtype stays); stand-ins where a leaf has no gradient.
+    sums = lambda tree: jax.tree.map(lambda a: jnp.zeros(np.shape(a), _sum_dtype(a, accum_dtype)), tree)  # noqa: E731
     value = zeros(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
     init = vary((one, one, jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), one), value,
                  sums(stage_params), sums(head_params), sums(inputs), sums(side)))
@@ -278,8 +296,10 @@ def _inexact(x: Any) -> bool:
     return jnp.issubdtype(dtype if dtype is not None else jnp.result_type(x), jnp.inexact)
 
 
-def _sum_dtype(x: Any) -> Any:
-    return jnp.promote_types(x.dtype, jnp.float32) if _inexact(x) else jnp.float32
+def _sum_dtype(x: Any, accum_dtype: Any) -> Any:
+    if not _inexact(x):
+        return jnp.float32
+    return x.dtype if accum_dtype is None else jnp.promote_types(x.dtype, accum_dtype)
 
 
 def _vjp_inexact(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable[[Any], tuple]]:
@@ -368,7 +388,8 @@ def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *
 
 
 def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis: str, microbatches: int,
-              schedule: str = "gpipe", remat: bool = True, has_state: bool = False) -> Callable[[PyTree, PyTree], Any]:
+              schedule: str = "gpipe", remat: bool = True, has_state: bool = False,
+              accum_dtype: Any = jnp.float32) -> Callable[[PyTree, PyTree], Any]:
     """``loss_fn(params, batch)`` with its layer scan run as a pipeline over ``axis``: the model
     unchanged, called inside ``shard_map`` with ``axis`` manual, each stacked leaf of ``params``
     this stage's ``[layers / stages, ...]`` block and ``batch`` this device's rows (every leaf
@@ -404,6 +425,8 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
         axis, microbatches, remat: as for :func:`pipeline` (``"1f1b"`` always recomputes).
         schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
         has_state: ``loss_fn`` returns ``(output, new_state)`` (``"1f1b"`` only needs it said).
+        accum_dtype: ``"1f1b"``'s gradient sums over the micro-batches (:func:`one_f_one_b`);
+            ``"gpipe"`` sums them in their own dtype.
 
     Example::
 
@@ -416,7 +439,7 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     def wrapped(params: PyTree, batch: PyTree) -> Any:
         traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=schedule == "1f1b")
         if schedule == "1f1b":
-            return _one_f_one_b_loss(traced, has_state)
+            return _one_f_one_b_loss(traced, has_state, accum_dtype)
         rewriter = _StackRewriter(traced, lambda stack: pipeline(
             stack.stage_fn, stack.layers, stack.carry, axis=axis, microbatches=microbatches, remat=remat,
             side=stack.side or None))
@@ -524,7 +547,7 @@ class _Stack(NamedTuple):
     side: list  # loop-invariant inputs with a row per row
 
 
-def _one_f_one_b_loss(traced: _Traced, has_state: bool) -> Any:
+def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any:
     """The loss of :func:`pipelined` under :func:`one_f_one_b` (its ``"1f1b"`` schedule)."""
     out, state = traced.out_shape if has_state else (traced.out_shape, None)
     weighted = isinstance(out, WeightedLoss)
@@ -537,7 +560,7 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool) -> Any:
     if has_state:
         where = {v: k for k, v in enumerate(traced.full.jaxpr.invars)}
         for v in outvars[len(jax.tree.leaves(out)):]:
-            if _compat.is_literal(v) or v not in where:
+            if _jaxpr.is_literal(v) or v not in where:
                 raise ValueError("pipelined: the loss updates its state (training-mode batch statistics, RNG "
                                  "counters); the 1f1b schedule runs what follows the stack once per micro-batch "
                                  "on the last stage, which would update it there alone: use pipeline_schedule="
@@ -568,20 +591,37 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool) -> Any:
         stage_fn = captured[-1].stage_fn
         micro_batch = traced.split(batch)
 
-        def head(leaves_: list, y: list, m: jax.Array) -> tuple:
-            rewriter = _StackRewriter(traced, lambda stack: y, micro=True)
-            rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), micro_batch)
-            outs = [_piped(x) for x in rewriter.eval(*traced.small_args(leaves_, rows))[:num_out]]
-            return outs[0] * scale, outs[1:]
+        # The loss after the stack, on one micro-batch: the loss at its rows, the stack's output
+        # given. It reads few of the parameters (the head, the final norm): only those are
+        # differentiated there, or each of the others would hold a zero gradient sum.
+        base = _vary_inexact(leaves, traced.axis)
 
-        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, p[1]), _vary_inexact((layers, constants), traced.axis),
-                             traced.split(carry), head, leaves, axis=traced.axis,
-                             side=traced.split(side) if side else None)
+        def head_of(read: list[int]) -> Callable[[list, list, jax.Array], tuple]:
+            def head(params_read: list, y: list, m: jax.Array) -> tuple:
+                full = list(base)
+                for k, v in zip(read, params_read):
+                    full[k] = v
+                rewriter = _StackRewriter(traced, lambda stack: y, micro=True)
+                rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), micro_batch)
+                outs = [_piped(x) for x in rewriter.eval(*traced.small_args(full, rows))[:num_out]]
+                return outs[0] * scale, outs[1:]
+            return head
+
+        inputs = traced.split(carry)
+        every = list(range(len(leaves)))
+        probe = jax.make_jaxpr(lambda ps, y: head_of(every)(ps, y, jnp.int32(0))[0])(
+            base, [x[0] for x in inputs])
+        read = [k for k, used in zip(every, _jaxpr.used_inputs(probe.jaxpr)) if used and _inexact(leaves[k])]
+        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, p[1]),
+                             _vary_inexact((layers, constants), traced.axis), inputs, head_of(read),
+                             [base[k] for k in read], axis=traced.axis, side=traced.split(side) if side else None,
+                             accum_dtype=accum_dtype)
         d_layers, d_constants = result.stage_grads
         d_side = traced.scatter(result.side_grads) if side else side
         (d_enter,) = enter_pull((d_layers, d_constants, traced.scatter(result.input_grads), d_side))
-        grads = [_transpose_cast(a, x) + _transpose_cast(b, x) if _inexact(x) else a
-                 for a, b, x in zip(d_enter, result.head_grads, leaves)]
+        grads = [_transpose_cast(g, x) if _inexact(x) else g for g, x in zip(d_enter, leaves)]
+        for k, g in zip(read, result.head_grads):
+            grads[k] = grads[k] + _transpose_cast(g, leaves[k])
         total, extra = result.value
         return [total, *extra], grads
 

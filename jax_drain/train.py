@@ -235,7 +235,8 @@ class TrainConfig:
             backward starts as soon as its forward ends, the loss after the stack taken on the
             last stage per micro-batch (the mean of the micro-batches' means, as with
             ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
-            however many there are; the loss must not update model state. The batch is split over
+            however many there are; the loss must not update model state. 1F1B sums the stage's
+            gradients over the micro-batches in ``accum_dtype``; GPipe in their own dtype. The batch is split over
             ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
@@ -1294,7 +1295,7 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
         local = jax.tree.map(lambda x, m: _stage_rows(x, stage) if m else x, state, state_mask)
         out, new = pipeline.pipelined(lambda ps, b_: loss(ps[0], ps[1], b_, device), (mask, state_mask), axis=stage,
                                       microbatches=microbatches, schedule=config.pipeline_schedule,
-                                      has_state=True)((p, local), b)
+                                      has_state=True, accum_dtype=config.accum_dtype)((p, local), b)
         if new is None:
             return out, new
         kept = []

@@ -91,22 +91,27 @@ def test_pipeline_equals_the_stack_in_one_place(shape, microbatches, remat):
                            scale=magnitude, what="gradients")
 
 
-def _embed_stack_head(params, batch):
+def _embed_stack_head(params, batch, weighted=False):
     """A loss with something before the stack (an embedding), a row mask the layers read, and a
-    head after it: what 1F1B splits between stage 0's rows, the stages and the last stage."""
+    head after it: what 1F1B splits between stage 0's rows, the stages and the last stage.
+    ``weighted``: the sum over the rows the mask keeps, and how many (a ``WeightedLoss``)."""
     h = jnp.tanh(batch["x"] @ params["embed"])
     keep = batch["keep"][:, None]
     h = jax.lax.scan(lambda h, w: (layer(h, w) * keep + h * (1 - keep), None), h, params["layers"])[0]
-    return jnp.mean((h @ params["head"]) ** 2)
+    per_row = jnp.sum((h @ params["head"]) ** 2, axis=-1)
+    if weighted:
+        return jd.WeightedLoss(jnp.sum(per_row * batch["keep"]), jnp.sum(batch["keep"]))
+    return jnp.mean(per_row) / 2
 
 
-@pytest.mark.parametrize("shape,microbatches", [((2, 4), 4), ((2, 4), 12), ((4, 2), 2)])
-def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shape, microbatches):
+@pytest.mark.parametrize("shape,microbatches,weighted", [((2, 4), 4, False), ((2, 4), 12, False), ((4, 2), 2, False),
+                                                         ((2, 4), 4, True)])
+def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shape, microbatches, weighted):
     """pipelined(..., schedule="1f1b"): each micro-batch's head and backward run as soon as its
     forward leaves the last stage; the loss summed over the devices and every gradient (the
     embedding's, through the scattered input cotangents; the head's, from the last stage; the
     layers', per stage) equal the one-place model's in float64 within the float32 rounding of
-    its gradient."""
+    its gradient; a weighted loss's totals and counts add up."""
     rng = np.random.default_rng(5)
     layers, x = _problem(5)
     params = {"layers": layers, "embed": rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH),
@@ -114,17 +119,24 @@ def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shap
     batch = {"x": x, "keep": (rng.random(8 * ROWS) < 0.7).astype(np.float32)}
     stacked = {"layers": {k: True for k in layers}, "embed": False, "head": False}
     specs = {"layers": {k: P("stage") for k in layers}, "embed": P(), "head": P()}
-    piped = pp.pipelined(_embed_stack_head, stacked, axis="stage", microbatches=microbatches, schedule="1f1b")
+    loss_fn = lambda p, b: _embed_stack_head(p, b, weighted)  # noqa: E731
+    piped = pp.pipelined(loss_fn, stacked, axis="stage", microbatches=microbatches, schedule="1f1b")
 
     @jax.jit
-    @jax.shard_map(mesh=_mesh(shape), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), specs))
+    @jax.shard_map(mesh=_mesh(shape), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), P(), specs))
     def run(p, b):
-        value, grads = jax.value_and_grad(piped)(p, b)  # jax sums the invariant parameters' gradients
-        return jax.lax.psum(value, ("data", "stage")), grads
+        # jax sums the invariant parameters' gradients over the devices
+        (value, count), grads = jax.value_and_grad(lambda q: (lambda out: (out.total, out.count) if weighted else (
+            out, jnp.float32(0)))(piped(q, b)), has_aux=True)(p)
+        return jax.lax.psum(value, ("data", "stage")), jax.lax.psum(count, ("data", "stage")), grads
 
     p32, b32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (params, batch))
-    value, grads = run(p32, b32)
-    total = lambda p, b: 8 * _embed_stack_head(p, b)  # noqa: E731  (the devices' losses summed)
+    value, count, grads = run(p32, b32)
+    if weighted:
+        assert float(count) == float(np.sum(batch["keep"]))
+        total = lambda p, b: loss_fn(p, b).total  # noqa: E731
+    else:
+        total = lambda p, b: 8 * loss_fn(p, b)  # noqa: E731  (the devices' losses summed)
     with jax.enable_x64(True):
         p64, b64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, batch))
         want_value, want_grads = jax.value_and_grad(total)(p64, b64)
@@ -161,6 +173,8 @@ def test_a_stage_that_divides_by_a_norm_keeps_finite_gradients():
 
 def test_schedule_sizes_and_refusals():
     assert pp.num_ticks(8, 4) == 11 and pp.bubble_fraction(8, 4) == pytest.approx(3 / 11)
+    assert [pp.stage_inputs_held(m, 4, "1f1b") for m in (2, 7, 16)] == [2, 7, 7]
+    assert pp.stage_inputs_held(16, 4) == 19
     mesh = _mesh((2, 4))
     params, x = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), _problem())
 
@@ -336,14 +350,16 @@ def _stack_loss(params, batch):
     return jnp.mean((h @ params["head"]) ** 2)
 
 
-def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state(schedule):
     rng = np.random.default_rng(4)
     params, x = _problem(4)
     params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
               "head": jnp.asarray(rng.normal(size=(WIDTH, 2)), jnp.float32)}
     batch = {"x": jnp.asarray(x, jnp.float32)}
     step = jd.make_train_step(params, _stack_loss, optax.adam(1e-2), _mesh((2, 4)),
-                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4), example_batch=batch)
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, pipeline_schedule=schedule),
+                              example_batch=batch)
     state, _ = step(step.init(), batch)
     before = jax.device_get(state)
     bad = {"x": batch["x"].at[5, 3].set(jnp.nan)}  # a row of one device of one stage
@@ -529,26 +545,62 @@ def test_a_stack_whose_layers_update_their_state_or_with_nothing_outside_it_is_r
                            config, example_batch=batch)
 
 
+class _Count(nnx.Variable):
+    pass
+
+
+class _CountedCalls(nnx.Module):
+    """A model that counts its calls in its state, outside the stack."""
+
+    def __init__(self):
+        self.model = _norm_stack()
+        self.calls = _Count(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.model(x)
+
+
+def test_one_f_one_b_refuses_a_loss_that_updates_its_state():
+    """1F1B runs what follows the stack once per micro-batch on the last stage: a loss that
+    updates its state would update it there alone. GPipe runs it once per device, and trains."""
+    batch = {"x": jnp.asarray(np.random.default_rng(6).normal(size=(8 * ROWS, WIDTH)), jnp.float32),
+             "y": jnp.asarray(np.random.default_rng(7).normal(size=(8 * ROWS,)), jnp.float32)}
+    def build(model, schedule):
+        config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, pipeline_schedule=schedule)
+        return jd.make_train_step(model, _norm_loss, optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
+
+    model = _CountedCalls()
+    step = build(model, "gpipe")
+    state, _ = step(step.init(), batch)
+    step.update_model(model, state)
+    assert int(model.calls[...]) == 1
+    with pytest.raises(ValueError, match="the loss updates its state .* use pipeline_schedule='gpipe'"):
+        step = build(_CountedCalls(), "1f1b")
+        step(step.init(), batch)
+
+
 @pytest.mark.gpu_compile
 def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedule():
     """Compile-only 8xH100, (data, stage) = (2, 4), XLA allowed 4 collectives in flight: the
-    stage's layer chain (4 buckets) keeps one bucket in flight drained, and 3 undrained."""
+    stage's layer chain (4 buckets) keeps one bucket in flight drained, in either schedule, and 3
+    undrained."""
     from jax_drain.planner.plan import plan
     from jax_drain.planner.targets import gpu_mesh
 
     config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=512, scan_layers=True)
     params, batch = models.abstract_params(config), models.example_batch(config, 16)
     in_flight = {}
-    for drain in (True, False):
+    for schedule, drain in (("gpipe", True), ("1f1b", True), ("1f1b", False)):
         step = jd.make_train_step(params, models.make_loss(config), optax.adamw(1e-4), gpu_mesh((2, 4), ("data", "stage")),
                                   jd.TrainConfig(stage_axis="stage", pipeline_microbatches=8, bucket_size=40_000,
-                                                 drain=drain), example_batch=batch)
+                                                 drain=drain, pipeline_schedule=schedule), example_batch=batch)
         layers = next(chain for chain in step.sync.chains if chain.axes == ("data",))
         assert layers.layout.num_buckets == 4
         report = plan(step, step.abstract_state(), batch,
                       compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 4})
-        in_flight[drain] = report.chains_in_flight["expert"]
-    assert in_flight == {True: 1, False: 3}
+        in_flight[schedule, drain] = report.chains_in_flight["expert"]
+    assert in_flight == {("gpipe", True): 1, ("1f1b", True): 1, ("1f1b", False): 3}
 
 
 def _tp_layer(h, w, model_axis):
@@ -566,10 +618,11 @@ def _tp_loss(model_axis):
     return loss
 
 
-@pytest.mark.parametrize("shard_params", [False, True])
-def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(shard_params):
+@pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "gpipe"), (False, "1f1b"), (True, "1f1b")])
+def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(shard_params, schedule):
     """(data, stage, model) = (2, 2, 2): the stack's blocks split over "model" by param_specs
-    (their layer axis left to the stage axis), ZeRO-1 and ZeRO-3, against one-device SGD."""
+    (their layer axis left to the stage axis), ZeRO-1 and ZeRO-3, GPipe and 1F1B (whose
+    branches hold the blocks' psum over "model"), against one-device SGD."""
     rng = np.random.default_rng(7)
     params = {"layers": {"up": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, 2 * WIDTH)) / 4, jnp.float32),
                          "down": jnp.asarray(rng.normal(size=(LAYERS, 2 * WIDTH, WIDTH)) / 6, jnp.float32)},
@@ -579,7 +632,7 @@ def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(s
     specs = {"layers": {"up": P(None, None, "model"), "down": P(None, "model", None)}, "head": P()}
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
     config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, param_specs=specs, bucket_size=256,
-                            shard_params=shard_params)
+                            shard_params=shard_params, pipeline_schedule=schedule)
     step = jd.make_train_step(params, _tp_loss("model"), optax.sgd(0.05), mesh, config, example_batch=batches[0])
     state = step.init()
     if not shard_params:  # half the layers, half the columns
@@ -591,4 +644,4 @@ def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(s
     additions = rounding_chain(jax.grad(loss), params, batches[0]) + 8 + 4
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.05, params=params)
     got = step.master_params(state) if shard_params else state.params
-    assert_within(jax.device_get(got), want, bounds[-1], what=f"after {STEPS} steps (shard_params={shard_params})")
+    assert_within(jax.device_get(got), want, bounds[-1], what=f"after {STEPS} steps ({shard_params=}, {schedule})")

@@ -258,13 +258,14 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_the_same_under_zero3(flax_so
 
 
 @pytest.mark.public_model
-@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
+@pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "gpipe"), (False, "1f1b"), (True, "1f1b")],
+                         ids=["zero1-gpipe", "zero3-gpipe", "zero1-1f1b", "zero3-1f1b"])
 def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_device(
-        flax_source, shard_params, cpu_devices):
+        flax_source, shard_params, schedule, cpu_devices):
     """Flax's ``ScanMLP``, unchanged, as the stack of a model with a head, on ``(data, stage) =
     (2, 4)``: each stage runs its own layer with that layer's running statistics and dropout
     key (evaluation mode), and 3 SGD steps follow one-device optax on whole batches within the
-    rounding of their gradients, ZeRO-1 and ZeRO-3."""
+    rounding of their gradients, ZeRO-1 and ZeRO-3, GPipe and 1F1B."""
     import optax
     from flax import nnx
     from jax.sharding import Mesh
@@ -297,7 +298,8 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_dev
     start = jax.device_get(nnx.to_pure_dict(params))
     mesh = Mesh(np.array(cpu_devices).reshape(2, 4), ("data", "stage"))
     step = jd.make_train_step(model, loss, optax.sgd(0.1), mesh,
-                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params,
+                                             pipeline_schedule=schedule),
                               example_batch=batches[0])
     state = step.init()
     for batch in batches:
