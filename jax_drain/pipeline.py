@@ -555,11 +555,10 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any
         raise ValueError("pipelined: the 1f1b schedule takes the loss per micro-batch: loss_fn must return a float "
                          "scalar (a mean) or a jax_drain.WeightedLoss" + (", with the state" if has_state else "")
                          + f", got {jax.tree.map(lambda x: (x.shape, str(x.dtype)), out)}")
-    outvars = traced.full.jaxpr.outvars
     state_at = []
     if has_state:
         where = {v: k for k, v in enumerate(traced.full.jaxpr.invars)}
-        for v in outvars[len(jax.tree.leaves(out)):]:
+        for v in traced.full.jaxpr.outvars[len(jax.tree.leaves(out)):]:
             if _jaxpr.is_literal(v) or v not in where:
                 raise ValueError("pipelined: the loss updates its state (training-mode batch statistics, RNG "
                                  "counters); the 1f1b schedule runs what follows the stack once per micro-batch "
@@ -625,9 +624,6 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any
         total, extra = result.value
         return [total, *extra], grads
 
-    def forward(leaves: list, batch: list) -> tuple[list, list]:
-        return run(leaves, batch)
-
     def backward(grads: list, cot: list) -> tuple:
         # The stage axis's loss is on its last stage: so is the cotangent that scales it.
         last = jax.lax.axis_index(traced.axis) == stages - 1
@@ -635,7 +631,7 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any
         return [g * _one_seed(seed, g).astype(g.dtype) if _inexact(x) else None
                 for g, x in zip(grads, traced.leaves)], None
 
-    loss.defvjp(forward, backward)
+    loss.defvjp(run, backward)  # the forward is the whole schedule, its gradients the residuals
     values = loss(traced.leaves, traced.batch)
     value = jax.tree.unflatten(jax.tree.structure(out), values)
     if not has_state:
