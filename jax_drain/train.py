@@ -472,8 +472,10 @@ class TrainStep:
     ):
         check_mesh(mesh)
         check_array_leaves(params)
-        #: The stage axis and its micro-batches (``TrainConfig.stage_axis``); ``None``: no pipeline.
+        #: The stage axis, its micro-batches and schedule (``TrainConfig.stage_axis``); ``None``:
+        #: no pipeline.
         self.stage_axis, self.pipeline_microbatches = config.stage_axis, None
+        self.pipeline_schedule = None if config.stage_axis is None else config.pipeline_schedule
         if config.stage_axis is not None:
             if shards_any(declared):
                 raise ValueError("stage_axis does not work with tensor parallel yet, and the model declares "

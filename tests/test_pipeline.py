@@ -314,7 +314,7 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
     micro-batches summed)."""
     batches = [models.example_batch(_gpt(jnp.float32), 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
     config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule)
-    assert (step.stage_axis, step.pipeline_microbatches) == ("stage", microbatches)
+    assert (step.stage_axis, step.pipeline_microbatches, step.pipeline_schedule) == ("stage", microbatches, schedule)
     assert all(chain.layout.split == split_leaves for chain in step.sync.chains if chain.layout.num_buckets > 1)
     state = step.init()
     stages = shape[1]

@@ -10,7 +10,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from jax_drain.planner import cli, compare, plan, targets
 from jax_drain.planner.targets import GpuCompileUnavailable, gpu_mesh
@@ -395,9 +397,21 @@ def test_pipeline_stage_strategy_names():
     s = plan.Strategy.parse("zero3+drain+pp4")
     assert (s.stages, s.zero3, s.max_in_flight) == (4, True, 1)
     assert plan.Strategy.parse("fp32_accum+drain").stages == 1
+    assert (plan.Strategy.parse("zero3+drain+pp4").schedule, plan.Strategy.parse("bf16+pp2+1f1b").schedule) == (
+        "gpipe", "1f1b")
     for bad in ("fp32_accum+pp1", "fp32_accum+pp2+pp4"):
         with pytest.raises(ValueError, match=r"at most one \+ppN, N >= 2"):
             plan.Strategy.parse(bad)
+    with pytest.raises(ValueError, match=r"\+1f1b .* needs \+ppN"):
+        plan.Strategy.parse("fp32_accum+drain+1f1b")
+    # The suffix reaches the step the planner compiles.
+    config = plan.preset_config("tiny", layers=2, d_model=64, scan_layers=True)
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    for name, schedule in (("fp32_accum+drain+pp2", "gpipe"), ("fp32_accum+drain+pp2+1f1b", "1f1b")):
+        step, _, _ = plan._staged_step(plan.Strategy.parse(name), plan.models.make_loss(config),
+                                       plan.models.abstract_params(config), plan.models.example_batch(config, 16),
+                                       mesh, "data", None, None, "manual")
+        assert (step.stage_axis, step.pipeline_schedule) == (plan.STAGE_AXIS, schedule)
     from jax_drain.planner.search import Candidate
 
     with pytest.raises(ValueError, match="does not try pipeline stages"):
@@ -406,17 +420,17 @@ def test_pipeline_stage_strategy_names():
 
 @pytest.mark.gpu_compile
 def test_pipeline_stages_plan_each_stage_s_drained_chain_on_a_scanned_preset():
-    """``+ppN`` splits the data devices into N stages: the arguments (the train state) are less
-    than the whole parameters and shrink with the stages and ZeRO-3, the stage-to-stage sends are
-    in the program, and each stage's chain (the layers over the data axis alone, the rest over
-    data and stage) keeps one bucket in flight."""
+    """``+ppN`` splits the data devices into N stages (``+1f1b``: in that schedule): the
+    arguments (the train state) are less than the whole parameters and shrink with the stages and
+    ZeRO-3, the stage-to-stage sends are in the program, and each stage's chain (the layers over
+    the data axis alone, the rest over data and stage) keeps one bucket in flight."""
     config = plan.preset_config("tiny", layers=4, d_model=256, scan_layers=True)
     params, loss, batch = (plan.models.abstract_params(config), plan.models.make_loss(config),
                            plan.models.example_batch(config, 16))
     rows = {r.strategy: r for r in compare.plan_model(
-        loss, params, batch, ["fp32_accum+drain+pp2", "zero3+drain+pp4", "fp32_accum+drain+split+pp2"],
+        loss, params, batch, ["fp32_accum+drain+pp2", "zero3+drain+pp4+1f1b", "fp32_accum+drain+split+pp2"],
         num_buckets=8, progress=False).rows}
-    piped, zero3 = rows["fp32_accum+drain+pp2"].plan, rows["zero3+drain+pp4"].plan
+    piped, zero3 = rows["fp32_accum+drain+pp2"].plan, rows["zero3+drain+pp4+1f1b"].plan
     whole = sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(params))
     assert whole > piped.argument_bytes > zero3.argument_bytes  # no device holds every layer
     for p in (piped, zero3):

@@ -101,7 +101,9 @@ class Strategy:
     ``reshard_after_forward``: with ``zero3``, ``False`` is the ``+noreshard`` suffix: each
     bucket gathered once and kept from forward to backward
     (``TrainConfig(reshard_after_forward=False)``). ``stages``: the ``+ppN`` suffix, the data
-    devices split into ``N`` pipeline stages (``TrainConfig(stage_axis="stage")``).
+    devices split into ``N`` pipeline stages (``TrainConfig(stage_axis="stage")``), in the GPipe
+    schedule or, with a ``+1f1b`` suffix too, 1F1B (``schedule``,
+    ``TrainConfig(pipeline_schedule=...)``).
     """
 
     name: str
@@ -112,6 +114,7 @@ class Strategy:
     blocks: bool = False
     reshard_after_forward: bool = True
     stages: int = 1
+    schedule: str = "gpipe"
 
     @property
     def is_baseline(self) -> bool:
@@ -132,10 +135,14 @@ class Strategy:
         stages = int(piped[-1][2:]) if piped else 1
         if len(piped) > 1 or (piped and stages < 2):
             raise ValueError(f"strategy {name!r}: give at most one +ppN, N >= 2 pipeline stages (e.g. '+pp2')")
+        schedule = "1f1b" if "1f1b" in flags else "gpipe"
+        if schedule == "1f1b" and not piped:
+            raise ValueError(f"strategy {name!r}: +1f1b is the schedule of a stage axis; it needs +ppN too "
+                             "(e.g. 'fp32_accum+drain+pp2+1f1b')")
         if not reshard and not zero3:
             raise ValueError(f"strategy {name!r}: +noreshard keeps ZeRO-3's gathered buckets from forward to "
                              "backward; it needs +zero3 (e.g. 'zero3+drain+noreshard')")
-        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard", *piped)]
+        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard", "1f1b", *piped)]
         mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
@@ -144,9 +151,10 @@ class Strategy:
             depth = int(match.group(1) or 1) if match else None
             if depth is not None and depth < 1:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
-            return cls(name, mode, depth, split, zero3, blocks, reshard, stages)
-        known = (list(BASELINES) + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN]" for m in REDUCE_MODES]
-                 + ["zero3[+drain[K]][+blocks][+noreshard][+ppN]"])
+            return cls(name, mode, depth, split, zero3, blocks, reshard, stages, schedule)
+        known = (list(BASELINES)
+                 + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN[+1f1b]]" for m in REDUCE_MODES]
+                 + ["zero3[+drain[K]][+blocks][+noreshard][+ppN[+1f1b]]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
@@ -734,7 +742,8 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     piped = stages * min(rows)  # the rows a stage pipes
     microbatches = max(m for m in range(1, 2 * stages + 1) if piped % m == 0)
     config = TrainConfig(
-        axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, bucket_size=bucket_size,
+        axis=axis, stage_axis=STAGE_AXIS, pipeline_microbatches=microbatches, pipeline_schedule=strategy.schedule,
+        bucket_size=bucket_size,
         reduce=strategy.reduce, drain=strategy.max_in_flight is not None, max_in_flight=strategy.max_in_flight,
         split_leaves=strategy.split, shard_params=strategy.zero3, reshard_after_forward=strategy.reshard_after_forward,
         bucket_boundaries="remat" if strategy.blocks else None, **tp)
