@@ -245,8 +245,9 @@ class TrainConfig:
             axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
             layers. Per-layer model state the layers only read (running statistics in evaluation
             mode, dropout keys) goes with its layers. Split leaves and error feedback work per
-            stage's chain. Not yet with declared shardings (``tensor_parallel="gspmd"``), ``expert``,
-            ``scan_layers=True``, ``ownership="param"`` or ``microbatches > 1``.
+            stage's chain. ``microbatches=k`` runs the pipeline ``k`` times per step, each on
+            ``1 / k`` of the batch, its gradients summed. Not yet with declared shardings
+            (``tensor_parallel="gspmd"``), ``expert``, ``scan_layers=True`` or ``ownership="param"``.
 
     Example::
 
@@ -354,7 +355,7 @@ class TrainConfig:
         unsupported = [name for name, on in (
             ("expert", self.expert is not None), ("scan_layers=True", self.scan_layers is True),
             ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
-            (f"microbatches={self.microbatches}", self.microbatches > 1)) if on]
+            ) if on]
         if unsupported:
             raise ValueError(f"stage_axis does not work with {', '.join(unsupported)} yet: leave "
                              f"{'it' if len(unsupported) == 1 else 'them'} out (pipeline_microbatches sets the "
@@ -1253,10 +1254,11 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     data_axes = config.data_axes + (stage,)
     devices = axes_size(mesh, data_axes)
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else 0 for x in jax.tree.leaves(example_batch)}
-    if len(sizes) != 1 or min(sizes) == 0 or min(sizes) % devices:
+    if len(sizes) != 1 or min(sizes) == 0 or min(sizes) % (devices * config.microbatches):
         raise ValueError(f"stage_axis: the batch's leading dimensions {sorted(sizes)} must be one size that splits over "
-                         f"the {devices} devices of {data_axes}")
-    rows = sizes.pop() // devices
+                         f"the {devices} devices of {data_axes}"
+                         + (f" x {config.microbatches} micro-batches (microbatches)" if config.microbatches > 1 else ""))
+    rows = sizes.pop() // devices // config.microbatches  # what each accumulation step pipes
     microbatches = config.pipeline_microbatches or 2 * stages
     if (stages * rows) % microbatches:
         raise ValueError(f"stage_axis: {microbatches} micro-batches (pipeline_microbatches) do not divide the "

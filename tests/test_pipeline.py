@@ -289,31 +289,33 @@ def test_what_the_pipeline_cannot_give_each_micro_batch_is_refused(loss, match):
 STEPS = 3
 
 
-def _gpt_step(shape, microbatches, batch, shard_params=False, split_leaves=False, schedule="gpipe"):
+def _gpt_step(shape, microbatches, batch, shard_params=False, split_leaves=False, schedule="gpipe", accumulate=1):
     config = _gpt(jnp.float32)
     model = models.GPT(config, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     step = jd.make_train_step(model, lambda m, b: m.loss(b), optax.sgd(0.5, momentum=0.9), _mesh(shape),
                               jd.TrainConfig(stage_axis="stage", pipeline_microbatches=microbatches,
-                                             pipeline_schedule=schedule,
+                                             pipeline_schedule=schedule, microbatches=accumulate,
                                              bucket_size=1000 if split_leaves else 4096, shard_params=shard_params,
                                              split_leaves=split_leaves),
                               example_batch=batch)
     return config, params, step
 
 
-@pytest.mark.parametrize("shape,microbatches,shard_params,split_leaves,schedule", [
-    ((2, 4), 8, False, False, "gpipe"), ((4, 2), 4, True, False, "gpipe"), ((2, 4), 4, False, True, "1f1b"),
-    ((4, 2), 2, True, True, "1f1b"), ((2, 4), 8, True, False, "1f1b")])
+@pytest.mark.parametrize("shape,microbatches,shard_params,split_leaves,schedule,accumulate", [
+    ((2, 4), 8, False, False, "gpipe", 1), ((4, 2), 4, True, False, "gpipe", 1), ((2, 4), 4, False, True, "1f1b", 1),
+    ((4, 2), 2, True, True, "1f1b", 1), ((2, 4), 8, True, False, "1f1b", 1), ((2, 4), 4, False, False, "1f1b", 2),
+    ((4, 2), 2, True, False, "gpipe", 2)])
 def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, shard_params,
-                                                                        split_leaves, schedule, tmp_path):
+                                                                        split_leaves, schedule, accumulate, tmp_path):
     """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"), ZeRO-1 and ZeRO-3,
-    whole leaves or leaves split over buckets: each device holds its stage's layers (with
-    ZeRO-3, its shard of them), and SGD with momentum follows one-device optax on whole batches
-    within the rounding of its gradients (the one-place step's chain, plus the 8 devices and the
+    whole leaves or leaves split over buckets, GPipe and 1F1B, with gradient accumulation
+    (``microbatches``) or without: each device holds its stage's layers (with ZeRO-3, its shard
+    of them), and SGD with momentum follows one-device optax on whole batches within the
+    rounding of its gradients (the one-place step's chain, plus the 8 devices and the
     micro-batches summed)."""
     batches = [models.example_batch(_gpt(jnp.float32), 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
-    config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule)
+    config, params, step = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule, accumulate)
     assert (step.stage_axis, step.pipeline_microbatches, step.pipeline_schedule) == ("stage", microbatches, schedule)
     assert all(chain.layout.split == split_leaves for chain in step.sync.chains if chain.layout.num_buckets > 1)
     state = step.init()
@@ -332,7 +334,7 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
         assert not bool(metrics.skipped)
     loss_fn = models.make_loss(config)
     want, _, gradients = reference_run(loss_fn, params, optax.sgd(0.5, momentum=0.9), batches[:STEPS])
-    additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + microbatches
+    additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + microbatches + accumulate
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.5, momentum=0.9, params=params)
     got = step.master_params(state) if shard_params else state.params
     assert_within(jax.device_get(got), want, bounds[-1], what=f"{shape} after {STEPS} steps")
@@ -340,7 +342,7 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
     # Saved, restored into a fresh step, run on: the same losses, bit for bit.
     jd.save_checkpoint(tmp_path / "ckpt", state)
     continued = [float(step(state, b)[1].loss) for b in batches[STEPS:STEPS + 1]]
-    _, _, fresh = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule)
+    _, _, fresh = _gpt_step(shape, microbatches, batches[0], shard_params, split_leaves, schedule, accumulate)
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
     assert [float(fresh(restored, b)[1].loss) for b in batches[STEPS:STEPS + 1]] == continued
 
@@ -405,7 +407,6 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
 
 @pytest.mark.parametrize("options,match", [
     (dict(stage_axis="stage", tensor_parallel="gspmd"), "tensor_parallel='gspmd'"),
-    (dict(stage_axis="stage", microbatches=2), "microbatches=2"),
     (dict(pipeline_microbatches=4), "give stage_axis too"),
     (dict(stage_axis="stage", pipeline_schedule="interleaved"), "must be one of gpipe, 1f1b"),
     (dict(stage_axis="data"), "besides the data axes"),
