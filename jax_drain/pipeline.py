@@ -268,10 +268,15 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
                     cast(side_grads, side))
 
 
+def _extra_axes(x: Any, like: Any) -> tuple:
+    """The manual axes along which ``x`` varies and ``like`` does not."""
+    return tuple(sorted(_compat.varying_axes(x) - _compat.varying_axes(like), key=str))
+
+
 def _transpose_cast(grad: jax.Array, like: Any) -> jax.Array:
     """``grad`` summed over the manual axes along which it varies and ``like`` does not: what
     differentiating through the implicit cast of an axis-invariant input gives."""
-    extra = tuple(sorted(_compat.varying_axes(grad) - _compat.varying_axes(like), key=str))
+    extra = _extra_axes(grad, like)
     return jax.lax.psum(grad, extra) if extra else grad
 
 
@@ -279,7 +284,7 @@ def _one_seed(seed: jax.Array, grad: jax.Array) -> jax.Array:
     """``seed`` (a scalar cotangent) typed like ``grad``: where ``grad`` is already summed over
     devices that ``seed`` varies along, their seeds must agree (``jax.grad`` of the loss gives
     ones); where they do not, NaN, never a silently wrong gradient."""
-    axes = tuple(sorted(_compat.varying_axes(seed) - _compat.varying_axes(grad), key=str))
+    axes = _extra_axes(seed, grad)
     if not axes:
         return seed
     high, low = jax.lax.pmax(seed, axes), jax.lax.pmin(seed, axes)
@@ -445,7 +450,7 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
             side=stack.side or None))
         outs = rewriter.eval(*traced.full_args())
         traced.check_found(rewriter)
-        return jax.tree.unflatten(traced.out_tree, [_piped(x) for x in outs])
+        return jax.tree.unflatten(jax.tree.structure(traced.out_shape), [_piped(x) for x in outs])
 
     return wrapped
 
@@ -461,7 +466,6 @@ class _Traced(NamedTuple):
     batch: list
     mask: list
     paths: list[str]
-    out_tree: Any
     out_shape: Any
     count: int
     size: int
@@ -501,8 +505,8 @@ class _Traced(NamedTuple):
         micro = [jax.lax.slice_in_dim(jnp.concatenate([b] * reps) if reps > 1 else b, 0, size) for b in flat_batch]
         small = jax.make_jaxpr(flat_loss)(*(_vary_inexact(leaves, axis) if stage_copies else leaves), *micro)
         body = _layer_scan(small.jaxpr, {small.jaxpr.invars[i] for i, m in enumerate(mask) if m})
-        return _Traced(full, small, body, leaves, flat_batch, mask, leaf_paths_of(params),
-                       jax.tree.structure(out_shape), out_shape, count, size, axis, microbatches)
+        return _Traced(full, small, body, leaves, flat_batch, mask, leaf_paths_of(params), out_shape, count, size,
+                       axis, microbatches)
 
     def full_args(self, leaves: list | None = None, batch: list | None = None) -> tuple:
         """``_StackRewriter.eval``'s arguments for the loss at this device's rows (``leaves`` and
@@ -636,9 +640,8 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any
     value = jax.tree.unflatten(jax.tree.structure(out), values)
     if not has_state:
         return value
-    return value, jax.tree.unflatten(jax.tree.structure(state), [traced.leaves[k] if k < len(traced.leaves) else
-                                                                 traced.batch[k - len(traced.leaves)]
-                                                                 for k in state_at])
+    inputs = [*traced.leaves, *traced.batch]  # the state handed back is inputs, unchanged
+    return value, jax.tree.unflatten(jax.tree.structure(state), [inputs[k] for k in state_at])
 
 
 def leaf_paths_of(params: PyTree) -> list[str]:

@@ -236,8 +236,8 @@ class TrainConfig:
             last stage per micro-batch (the mean of the micro-batches' means, as with
             ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
             however many there are; the loss must not update model state. 1F1B sums the stage's
-            gradients over the micro-batches in ``accum_dtype``; GPipe in their own dtype. The batch is split over
-            ``axis`` and ``stage_axis`` both.
+            gradients over the micro-batches in ``accum_dtype``; GPipe in their own dtype. The
+            batch is split over ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
             stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own

@@ -429,6 +429,16 @@ def sgd_rounding_bounds(gradients, *, additions: int, learning_rate: float, mome
     return out
 
 
+def train_on(step, batches, state=None):
+    """``step`` run over ``batches`` from ``state`` (``step.init()`` if ``None``), none of its
+    steps skipped; the state after the last."""
+    state = step.init() if state is None else state
+    for batch in batches:
+        state, metrics = step(state, batch)
+        assert not bool(metrics.skipped)
+    return state
+
+
 def reference_run(loss_fn: Callable, params, tx, batches) -> tuple:
     """Plain optax on one device over whole ``batches``: the final params, and each step's loss
     and gradient (the trajectory bounds' inputs)."""

@@ -19,7 +19,7 @@ import jax_drain as jd
 from jax_drain import models, pipeline as pp
 
 from helpers import (
-    EPS32, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds,
+    EPS32, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds, train_on,
 )
 
 LAYERS, WIDTH, ROWS = 8, 16, 3  # ROWS: rows of the batch on each device
@@ -329,9 +329,7 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
                 assert held == {(config.num_layers // stages, *x.shape[1:])}, path
             else:
                 assert held == {x.shape}, path
-    for batch in batches[:STEPS]:
-        state, metrics = step(state, batch)
-        assert not bool(metrics.skipped)
+    state = train_on(step, batches[:STEPS], state)
     loss_fn = models.make_loss(config)
     want, _, gradients = reference_run(loss_fn, params, optax.sgd(0.5, momentum=0.9), batches[:STEPS])
     additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + microbatches + accumulate
@@ -517,11 +515,7 @@ def test_per_layer_model_state_reaches_each_stage_s_layers(shard_params):
     step = jd.make_train_step(model, _norm_loss, optax.sgd(0.2), _mesh((2, 4)),
                               jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params),
                               example_batch=batches[0])
-    state = step.init()
-    for batch in batches:
-        state, metrics = step(state, batch)
-        assert not bool(metrics.skipped)
-    step.update_model(model, state)
+    step.update_model(model, train_on(step, batches))
     got_state = plain(nnx.state(model, nnx.Not(nnx.Param)))
     assert len(got_state) == len(want_state) == 4 and all(map(np.array_equal, got_state, want_state))
 

@@ -60,7 +60,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding, loss_rounding_bounds, reference_run,
-                     rounding_chain, sgd_rounding_bounds)
+                     rounding_chain, sgd_rounding_bounds, train_on)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py",
@@ -301,11 +301,7 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_dev
                               jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params,
                                              pipeline_schedule=schedule),
                               example_batch=batches[0])
-    state = step.init()
-    for batch in batches:
-        state, metrics = step(state, batch)
-        assert not bool(metrics.skipped)
-    step.update_model(model, state)
+    step.update_model(model, train_on(step, batches))
 
     def one_device(p, b):
         return loss(nnx.merge(graphdef, nnx.State(p), other, copy=True), b)
