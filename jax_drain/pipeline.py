@@ -427,7 +427,8 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     Args:
         loss_fn: the model's loss, ``loss_fn(params, batch)``.
         stacked: a pytree of bools like ``params``: the leaves the layer scan iterates over.
-        axis, microbatches, remat: as for :func:`pipeline` (``"1f1b"`` always recomputes).
+        axis, microbatches, remat: as for :func:`pipeline` (``"1f1b"`` always recomputes:
+            ``remat=False`` is refused there).
         schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
         has_state: ``loss_fn`` returns ``(output, new_state)`` (``"1f1b"`` only needs it said).
         accum_dtype: ``"1f1b"``'s gradient sums over the micro-batches (:func:`one_f_one_b`);
@@ -440,6 +441,9 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipelined: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule == "1f1b" and not remat:
+        raise ValueError("pipelined: the 1f1b schedule recomputes each stage in its backward from the stashed stage "
+                         "input (what bounds its stash); remat=False keeps every activation, which only 'gpipe' does")
 
     def wrapped(params: PyTree, batch: PyTree) -> Any:
         traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=schedule == "1f1b")

@@ -186,6 +186,9 @@ def test_schedule_sizes_and_refusals():
         call(microbatches=5)
     with pytest.raises(ValueError, match="unknown schedule '1f1b'"):
         call(microbatches=4, schedule="1f1b")
+    with pytest.raises(ValueError, match="remat=False keeps every activation, which only 'gpipe' does"):
+        pp.pipelined(_stack_loss, {"layers": True, "head": False}, axis="stage", microbatches=4, schedule="1f1b",
+                     remat=False)
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
         call(microbatches=0)
 
@@ -497,12 +500,12 @@ def _norm_loss(model, batch):
     return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
 
 
-@pytest.mark.parametrize("shard_params", [False, True])
-def test_per_layer_model_state_reaches_each_stage_s_layers(shard_params):
+@pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "gpipe"), (True, "1f1b")])
+def test_per_layer_model_state_reaches_each_stage_s_layers(shard_params, schedule):
     """The layers' running statistics (evaluation mode) and dropout keys are per-layer model
     state: each stage reads its own layers' share, and SGD follows one-device optax on whole
-    batches within the rounding of its gradients, ZeRO-1 and ZeRO-3; the state itself is handed
-    back unchanged."""
+    batches within the rounding of its gradients, ZeRO-1 and ZeRO-3, GPipe and 1F1B; the state
+    itself is handed back unchanged."""
     rng = np.random.default_rng(9)
     batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32),
                 "y": jnp.asarray(rng.normal(size=(8 * ROWS,)), jnp.float32)} for _ in range(STEPS)]
@@ -513,7 +516,8 @@ def test_per_layer_model_state_reaches_each_stage_s_layers(shard_params):
                            for x in jax.tree.leaves(nnx.to_pure_dict(state))]  # noqa: E731
     want_state = plain(other)
     step = jd.make_train_step(model, _norm_loss, optax.sgd(0.2), _mesh((2, 4)),
-                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params),
+                              jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, shard_params=shard_params,
+                                             pipeline_schedule=schedule),
                               example_batch=batches[0])
     step.update_model(model, train_on(step, batches))
     got_state = plain(nnx.state(model, nnx.Not(nnx.Param)))
