@@ -654,11 +654,17 @@ class ChainedSync:
         """
         return description_fingerprint(self.description)
 
-    def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True, local: bool = False) -> list:
-        """Returns ``tree``'s leaves after checking its structure, shapes (global, or the
-        per-device blocks with ``local=True``) and dtypes against the params."""
-        expected = [(pl.path, pl.local_shape if local else pl.global_shape, pl.dtype) for pl in self.placements]
-        reference = "the params this sync was built with" + (" (per-device blocks)" if local else "")
+    def check_tree(self, tree: PyTree, what: str = "tree", check_dtypes: bool = True, local: bool = False,
+                   region: bool = False) -> list:
+        """Returns ``tree``'s leaves after checking its structure, shapes (global, the
+        per-device blocks with ``local=True``, or with ``region=True`` the blocks of the step's
+        :meth:`shard_map`, whole along :attr:`auto_axes`) and dtypes against the params."""
+        shape = lambda pl: (pl.local_shape if local else self.region_shape(pl.global_shape, pl.spec) if region  # noqa: E731
+                            else pl.global_shape)
+        expected = [(pl.path, shape(pl), pl.dtype) for pl in self.placements]
+        reference = "the params this sync was built with" + (" (per-device blocks)" if local else
+                                                             " (blocks of the step's data-parallel region)" if region
+                                                             else "")
         return check_leaves(tree, self._treedef, expected, what, reference, check_dtypes)
 
     def unflatten_buckets(self, flat: Sequence[jax.Array]) -> PyTree:

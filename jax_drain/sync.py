@@ -151,8 +151,9 @@ class GradSync(ChainedSync):
             local blocks and reduced in a nested ``shard_map`` manual over the other axes
             (:meth:`manual_region`), so no model-sharded gradient is gathered. The mesh's axes
             are used as ``Auto`` (:attr:`mesh`; GSPMD partitioning), the shards are laid out data
-            axes first (:attr:`BucketChain.data_major <jax_drain.BucketChain>`). Not with expert
-            params yet.
+            axes first (:attr:`BucketChain.data_major <jax_drain.BucketChain>`). Expert params
+            are split over their expert axes, which are data axes and so manual: an expert loss
+            does its own collectives over them, and XLA partitions the rest over the model axes.
         ownership: which elements a device's shard holds. ``"element"`` (default): a contiguous
             ``1 / size(axis)`` of every bucket. ``"param"``: whole parameters (Megatron's
             layer-wise distributed optimizer): each bucket's leaves are spread over the devices
@@ -200,9 +201,6 @@ class GradSync(ChainedSync):
         self.ownership = check_ownership(ownership)
         gspmd = self.tensor_parallel == "gspmd"
         if gspmd:
-            if expert is not None:
-                raise ValueError("tensor_parallel='gspmd' does not support expert params yet: use "
-                                 "tensor_parallel='manual' (a loss on local blocks with its own collectives)")
             mesh = auto_mesh(mesh)
         axes = as_axes(axis, "axis")
         if len(axes) == 1 and axes[0] not in mesh.axis_names:
@@ -394,7 +392,7 @@ class GradSync(ChainedSync):
         :meth:`manual_region` as their local blocks, and so do the residuals.
         """
         if self.in_data_region():
-            self.check_tree(grads, what="grads")
+            self.check_tree(grads, what="grads", region=True)
             return self.reduce_scatter_in_data_region(grads, residuals)
         self.require_inside_shard_map("reduce_scatter")
         leaves = self.check_tree(grads, what="grads", local=True)

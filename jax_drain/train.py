@@ -240,14 +240,15 @@ class TrainConfig:
             batch is split over ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both. Needs ``example_batch`` (the loss is traced to find the
-            stack). ``param_specs`` add hand-written tensor parallelism (the loss does its own
-            ``psum`` over the model axes; a stacked leaf's layer axis is left to the stage
-            axis); with ``shard_params`` (ZeRO-3) each device holds its shard of its stage's
-            layers. Per-layer model state the layers only read (running statistics in evaluation
+            stack). Tensor parallelism composes with it, hand-written (``param_specs``, the loss
+            does its own ``psum`` over the model axes) or GSPMD (declared shardings or
+            ``tensor_parallel="gspmd"``: the loss on global shapes, XLA partitions each stage's
+            layers over the model axes); a stacked leaf's layer axis is left to the stage axis.
+            With ``shard_params`` (ZeRO-3) each device holds its shard of its stage's layers. Per-layer model state the layers only read (running statistics in evaluation
             mode, dropout keys) goes with its layers. Split leaves and error feedback work per
             stage's chain. ``microbatches=k`` runs the pipeline ``k`` times per step, each on
-            ``1 / k`` of the batch, its gradients summed. Not yet with declared shardings
-            (``tensor_parallel="gspmd"``), ``expert``, ``scan_layers=True`` or ``ownership="param"``.
+            ``1 / k`` of the batch, its gradients summed. Not yet with ``expert``,
+            ``scan_layers=True`` or ``ownership="param"``.
 
     Example::
 
@@ -321,8 +322,6 @@ class TrainConfig:
             self.check_scannable()
         if self.tensor_parallel is not None:
             check_tensor_parallel(self.tensor_parallel)
-        if self.tensor_parallel == "gspmd":
-            self.check_gspmd()
         if self.ownership is not None:
             check_ownership(self.ownership)
             if self.ownership == "param" and (self.scan_layers is True or self.split_leaves):
@@ -354,20 +353,12 @@ class TrainConfig:
             raise ValueError(f"pipeline_microbatches must be a positive integer or None, got {m!r}")
         unsupported = [name for name, on in (
             ("expert", self.expert is not None), ("scan_layers=True", self.scan_layers is True),
-            ("ownership='param'", self.ownership == "param"), ("tensor_parallel='gspmd'", self.tensor_parallel == "gspmd"),
+            ("ownership='param'", self.ownership == "param"),
             ) if on]
         if unsupported:
             raise ValueError(f"stage_axis does not work with {', '.join(unsupported)} yet: leave "
                              f"{'it' if len(unsupported) == 1 else 'them'} out (pipeline_microbatches sets the "
                              "micro-batches a stage axis pipelines)")
-
-    def check_gspmd(self) -> None:
-        """Raises unless a ``tensor_parallel="gspmd"`` step supports the other options."""
-        if self.expert is not None:
-            raise ValueError(
-                "tensor_parallel='gspmd' does not support expert yet: use tensor_parallel='manual' "
-                "(a loss on local blocks with its own model-axis collectives), or turn it off"
-            )
 
     def check_scannable(self) -> None:
         """Raises unless a scanned stack can sync in its backward scan: ScanGradSync reduces over
@@ -477,20 +468,18 @@ class TrainStep:
         #: no pipeline.
         self.stage_axis, self.pipeline_microbatches = config.stage_axis, None
         self.pipeline_schedule = None if config.stage_axis is None else config.pipeline_schedule
-        if config.stage_axis is not None:
-            if shards_any(declared):
-                raise ValueError("stage_axis does not work with tensor parallel yet, and the model declares "
-                                 "shardings on its parameters: give a model without them")
-            config, loss, self.pipeline_microbatches = _staged(config, loss, params, model_state, mesh, example_batch)
         # The specs: param_specs if given, else those the model declares; the mode from them.
         specs = config.param_specs if config.param_specs is not None else declared
         mode = config.tensor_parallel
         if mode is None:
             mode = "gspmd" if config.param_specs is None and shards_any(declared) else "manual"
+        if config.stage_axis is not None:
+            config, loss, self.pipeline_microbatches = _staged(config, loss, params, model_state, mesh, example_batch,
+                                                               specs=specs, tensor_parallel=mode)
+            specs = config.param_specs
         #: ``"manual"`` or ``"gspmd"`` (:attr:`TrainConfig.tensor_parallel`, resolved).
         self.tensor_parallel = mode
         if mode == "gspmd":
-            config.check_gspmd()
             mesh = auto_mesh(mesh)  # GSPMD partitions the loss over the Auto axes
         self._specs = specs
         self.mesh, self.config, self.tx = mesh, config, tx
@@ -1240,11 +1229,15 @@ def global_batch_shape(rows: PyTree) -> PyTree:
 
 
 def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params: PyTree, model_state: PyTree,
-            mesh: Mesh, example_batch: PyTree | None) -> tuple[TrainConfig, Callable[..., tuple[Any, PyTree]], int]:
+            mesh: Mesh, example_batch: PyTree | None, *, specs: PyTree | None,
+            tensor_parallel: str) -> tuple[TrainConfig, Callable[..., tuple[Any, PyTree]], int]:
     """A stage axis as the layout the rest of the step already runs: the config with the stage
     axis among the data axes, the stacked leaves split over it along their layer axis and
     reduced over the data axes alone (an expert-style chain), the loss with its layer scan piped
-    (:func:`jax_drain.pipeline.pipelined`); and the micro-batches."""
+    (:func:`jax_drain.pipeline.pipelined`); and the micro-batches. ``specs``: the parameters'
+    tensor-parallel specs (given or declared), ``tensor_parallel`` the resolved mode: the stage
+    axis is manual in both, so with ``"gspmd"`` XLA partitions each stage's layers over the
+    model axes."""
     stage = config.stage_axis
     if example_batch is None:
         raise ValueError("stage_axis: give make_train_step an example_batch, so that the loss is traced to find the "
@@ -1289,7 +1282,7 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     axis = as_axes(config.axis, "axis")
     derived = dataclasses.replace(
         config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
-        param_specs=_stage_specs(mask, config.param_specs, params, stage), tensor_parallel="manual",
+        param_specs=_stage_specs(mask, specs, params, stage), tensor_parallel=tensor_parallel,
         scan_layers=False, stage_axis=None, pipeline_microbatches=None, pipeline_schedule="gpipe")
     per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
 
@@ -1330,8 +1323,9 @@ def _stage_specs(mask: PyTree, param_specs: PyTree | None, params: PyTree, stage
     for path, spec, stacked in zip(leaf_paths(params), leaf_specs(params, param_specs), jax.tree.leaves(mask)):
         if stacked:
             if len(spec) and spec[0] is not None:
-                raise ValueError(f"stage_axis: param_specs splits the layer axis of stacked leaf {path!r} ({spec}); "
-                                 "the stage axis splits it: leave its first entry None")
+                raise ValueError(f"stage_axis: the spec of stacked leaf {path!r} ({spec}, from param_specs or the "
+                                 "model's declared sharding) splits its layer axis, which the stage axis splits: "
+                                 "leave its first entry None")
             spec = P(stage, *tuple(spec)[1:])
         out.append(spec)
     return jax.tree.unflatten(jax.tree.structure(params), out)

@@ -245,8 +245,6 @@ def test_the_mode_follows_where_the_shardings_come_from(cpu_devices):
 
     with pytest.raises(ValueError, match="collective over 'model', which tensor_parallel='gspmd' leaves to XLA"):
         jd.make_train_step(_placed(params, mesh), manual_loss, _tx(), mesh, jd.TrainConfig(), example_batch=batch)
-    with pytest.raises(ValueError, match="does not support expert"):
-        jd.TrainConfig(tensor_parallel="gspmd", expert=lambda path: path.startswith("experts"))
     with pytest.raises(ValueError, match="tensor_parallel must be 'manual'"):
         jd.TrainConfig(tensor_parallel="xla")
 

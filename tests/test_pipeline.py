@@ -7,13 +7,15 @@ float32 rounding of the computation (counted from its jaxpr); checkpoints that m
 counts; what is refused; and on compile-only 8xH100, each stage's drained chain.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_drain as jd
 from jax_drain import models, pipeline as pp
@@ -407,7 +409,7 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(stage_axis="stage", tensor_parallel="gspmd"), "tensor_parallel='gspmd'"),
+    (dict(stage_axis="stage", expert=lambda path: False), "stage_axis does not work with expert"),
     (dict(pipeline_microbatches=4), "give stage_axis too"),
     (dict(stage_axis="stage", pipeline_schedule="interleaved"), "must be one of gpipe, 1f1b"),
     (dict(stage_axis="data"), "besides the data axes"),
@@ -617,11 +619,39 @@ def _tp_loss(model_axis):
     return loss
 
 
-@pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "gpipe"), (False, "1f1b"), (True, "1f1b")])
-def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(shard_params, schedule):
-    """(data, stage, model) = (2, 2, 2): the stack's blocks split over "model" by param_specs
-    (their layer axis left to the stage axis), ZeRO-1 and ZeRO-3, GPipe and 1F1B (whose
-    branches hold the blocks' psum over "model"), against one-device SGD."""
+def _all_gather_groups(program: str) -> list[set[frozenset[int]]]:
+    """The replica groups of every all-gather in a compiled HLO ``program``, listed
+    (``{{0,2},{1,3}}``) or in XLA's iota form (``[2,2]<=[2,2]T(1,0)``: device ids laid out as
+    ``[2,2]``, transposed, cut into groups)."""
+    found = []
+    for line in program.splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        listed = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
+        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+        if listed:
+            groups = [g.split(",") for g in re.findall(r"\{([\d,]+)\}", listed.group(1))]
+        else:
+            assert iota, f"an all-gather whose replica groups this test does not read: {line.strip()[:200]}"
+            dims = [int(d) for d in iota.group(3).split(",")]
+            ids = np.arange(int(np.prod(dims))).reshape(dims)
+            if iota.group(4):
+                ids = ids.transpose([int(a) for a in iota.group(4).split(",")])
+            groups = ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+        found.append({frozenset(map(int, g)) for g in groups})
+    return found
+
+
+@pytest.mark.parametrize("tensor_parallel,shard_params,schedule", [
+    ("manual", False, "gpipe"), ("manual", True, "gpipe"), ("manual", False, "1f1b"), ("manual", True, "1f1b"),
+    ("gspmd", False, "gpipe"), ("declared", True, "gpipe"), ("gspmd", True, "1f1b"), ("declared", False, "1f1b")])
+def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_parallel, shard_params, schedule):
+    """(data, stage, model) = (2, 2, 2): the stack's blocks split over "model" (their layer axis
+    left to the stage axis), ZeRO-1 and ZeRO-3, GPipe and 1F1B, against one-device SGD. The
+    tensor parallelism hand-written (``param_specs``, the blocks' own psum over "model", which
+    1F1B's branches hold), or GSPMD: the same blocks on global shapes, the specs given with
+    ``tensor_parallel="gspmd"`` or declared on the parameters; XLA partitions each stage's
+    layers and gathers no weight over "model"."""
     rng = np.random.default_rng(7)
     params = {"layers": {"up": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, 2 * WIDTH)) / 4, jnp.float32),
                          "down": jnp.asarray(rng.normal(size=(LAYERS, 2 * WIDTH, WIDTH)) / 6, jnp.float32)},
@@ -630,12 +660,24 @@ def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(s
                 "y": jnp.asarray(rng.normal(size=(8 * ROWS, 1)), jnp.float32)} for _ in range(STEPS)]
     specs = {"layers": {"up": P(None, None, "model"), "down": P(None, "model", None)}, "head": P()}
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
-    config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, param_specs=specs, bucket_size=256,
-                            shard_params=shard_params, pipeline_schedule=schedule)
-    step = jd.make_train_step(params, _tp_loss("model"), optax.sgd(0.05), mesh, config, example_batch=batches[0])
+    options = dict(stage_axis="stage", pipeline_microbatches=4, bucket_size=256, shard_params=shard_params,
+                   pipeline_schedule=schedule)
+    given = params
+    if tensor_parallel == "declared":
+        given = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+        config = jd.TrainConfig(**options)
+    else:
+        config = jd.TrainConfig(**options, param_specs=specs, tensor_parallel=tensor_parallel)
+    loss = _tp_loss("model" if tensor_parallel == "manual" else None)
+    step = jd.make_train_step(given, loss, optax.sgd(0.05), mesh, config, example_batch=batches[0])
+    assert step.tensor_parallel == ("manual" if tensor_parallel == "manual" else "gspmd")
     state = step.init()
     if not shard_params:  # half the layers, half the columns
         assert {s.data.shape for s in state.params["layers"]["up"].addressable_shards} == {(LAYERS // 2, WIDTH, WIDTH)}
+    if tensor_parallel != "manual":
+        model_groups = {frozenset(d.id for d in row) for row in mesh.devices.reshape(-1, 2)}
+        gathered = _all_gather_groups(step.lower(state, batches[0]).compile().as_text())
+        assert gathered and not [g for g in gathered if g == model_groups], "an all-gather over 'model'"
     for batch in batches:
         state, metrics = step(state, batch)
     loss = _tp_loss(None)
@@ -643,4 +685,5 @@ def test_a_stage_axis_with_hand_written_tensor_parallel_trains_like_one_device(s
     additions = rounding_chain(jax.grad(loss), params, batches[0]) + 8 + 4
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.05, params=params)
     got = step.master_params(state) if shard_params else state.params
-    assert_within(jax.device_get(got), want, bounds[-1], what=f"after {STEPS} steps ({shard_params=}, {schedule})")
+    assert_within(jax.device_get(got), want, bounds[-1],
+                  what=f"after {STEPS} steps ({tensor_parallel}, {shard_params=}, {schedule})")

@@ -1,8 +1,8 @@
 """The whole train step on every mesh kind, against plain optax on one device.
 
 Each mesh kind (tensor parallel with the loss on local blocks and, ``"gspmd"``, on global shapes;
-``("replica", "data", "model")``; expert parallel; split leaves; a scanned stack with an outer
-axis, and one written for GSPMD on a tensor-parallel mesh, synced inside its backward scan or
+``("replica", "data", "model")``; expert parallel, with hand-written or GSPMD tensor parallelism;
+split leaves; a scanned stack with an outer axis, and one written for GSPMD on a tensor-parallel mesh, synced inside its backward scan or
 after it) trains a small float32 model for several steps with AdamW + global-norm
 clipping + a decay mask through ``jd.make_train_step``; a single-device reference runs the same
 model on the whole batch with plain optax (``optax.clip_by_global_norm`` + ``optax.adamw(mask=)``).
@@ -170,6 +170,16 @@ CASES = {
                                        expert=lambda path: path.startswith("experts"),
                                        param_specs={**TP_SPECS, "w_in": None, "b_in": None, "w_out": None,
                                                     "experts": P("expert")})),
+    # Expert parallel with the rest on global shapes: the loss's own collectives over "expert" (a
+    # data axis, manual), XLA's over "model", which splits the experts too.
+    "gspmd_expert": Case(_expert_params, moe_loss, moe_reference_loss, ((2, 2, 2), ("data", "expert", "model")),
+                         dict(axis=("data", "expert"), expert_axis="data", tensor_parallel="gspmd",
+                              expert=lambda path: path.startswith("experts"),
+                              param_specs={**TP_SPECS, "experts": P("expert", None, "model")})),
+    "gspmd_expert_zero3": Case(_expert_params, moe_loss, moe_reference_loss, ((2, 2, 2), ("data", "expert", "model")),
+                               dict(axis=("data", "expert"), expert_axis="data", tensor_parallel="gspmd",
+                                    shard_params=True, expert=lambda path: path.startswith("experts"),
+                                    param_specs={**TP_SPECS, "experts": P("expert", None, "model")})),
     "gspmd": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((4, 2), ("data", "model")),
                   dict(param_specs=TP_SPECS, tensor_parallel="gspmd")),
     "gspmd_split_leaves": Case(_dense_params, dense_reference_loss, dense_reference_loss,

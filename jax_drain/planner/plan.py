@@ -728,9 +728,6 @@ def _staged_step(strategy: Strategy, loss_fn: Callable[..., Any], params: Any, b
     """A ``+ppN`` strategy's train step: ``axis`` split into (``axis``, :data:`STAGE_AXIS`),
     stage neighbours adjacent in the mesh's device order."""
     stages = strategy.stages
-    if param_specs is not None and tensor_parallel == "gspmd":
-        raise StrategyUnavailable(f"{strategy.name}: a stage axis with tensor parallelism by XLA (declared "
-                                  "shardings, tensor_parallel='gspmd') is not built yet")
     names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
     k, n = names.index(axis), int(mesh.shape[axis])
     if n % stages:
