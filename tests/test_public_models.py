@@ -15,7 +15,13 @@ checkpoint must hold the statistics.
 Flax's ``examples/nnx_toy_examples/06_scan_over_layers.py`` (``ScanMLP``: ``nnx.scan`` over blocks
 of Linear, BatchNorm and Dropout made by ``nnx.vmap``) is found as a scanned stack by
 ``TrainConfig(scan_layers=None)``; ZeRO-3 must train it exactly as ZeRO-1 does, and its
-per-device BatchNorm statistics in training mode must be refused.
+per-device BatchNorm statistics in training mode must be refused. On a stage axis, under a head,
+it must train like one device, ZeRO-1 and ZeRO-3, GPipe and 1F1B.
+
+The NNX GSPMD guide's ``MultiDotReluDot`` (its code cell in ``docs_nnx/guides/flax_gspmd.md``: a
+scanned stack whose weights declare their 'model' split and whose layers constrain their
+activations over ``('data', 'model')``) must train on a ``(data, stage, model)`` mesh in the
+guide's ``jax.set_mesh`` context like one device, its constraint kept over 'model'.
 
 Flax's pip package has no ``examples/``, and CI has neither network nor a flax checkout, so the
 models' source is found only through ``JAX_DRAIN_FLAX_EXAMPLES``: a flax checkout (a directory
@@ -64,7 +70,7 @@ from helpers import (adam_rounding_bounds, assert_within, assert_within_rounding
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ("examples/lm1b/models.py", "examples/lm1b/configs/default.py", "examples/imagenet/models.py",
-         "examples/nnx_toy_examples/06_scan_over_layers.py")
+         "examples/nnx_toy_examples/06_scan_over_layers.py", "docs_nnx/guides/flax_gspmd.md")
 ENV = "JAX_DRAIN_FLAX_EXAMPLES"
 
 
@@ -310,6 +316,84 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_dev
     additions = rounding_chain(jax.grad(one_device), start, batches[0]) + 8 + 4
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.1, params=start)
     assert_within(nnx.to_pure_dict(nnx.state(model, nnx.Param)), want, bounds[-1], what="after 3 steps")
+
+
+def _gspmd_guide_cell(flax_source: str, defines: str) -> str:
+    """The code cell of Flax's NNX GSPMD guide (``docs_nnx/guides/flax_gspmd.md``) that defines
+    ``defines``, as written there."""
+    text = (pathlib.Path(flax_source) / "docs_nnx/guides/flax_gspmd.md").read_text()
+    (cell,) = [c for c in re.findall(r"```\{code-cell\}\n(.*?)```", text, re.S) if f"class {defines}" in c]
+    return cell
+
+
+@pytest.mark.public_model
+@pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "1f1b")], ids=["zero1-gpipe", "zero3-1f1b"])
+def test_flax_gspmd_guide_s_scanned_model_trains_on_a_stage_axis_with_xla_s_tensor_parallel(
+        flax_source, shard_params, schedule, cpu_devices):
+    """Flax's NNX GSPMD guide's ``MultiDotReluDot``, its cell unchanged: a ``jax.lax.scan`` over
+    layers made by ``nnx.vmap``, each weight declaring its 'model' split
+    (``nnx.with_partitioning``), each layer constraining its activation to ``P('data',
+    'model')``, run in the guide's ``jax.set_mesh`` context. On ``(data, stage, model) = (2, 2,
+    2)``, under a head: the declared shardings pick tensor parallelism by XLA, each device holds
+    its stage's layers' 'model' half, the constraint keeps 'model' (its 'data', manual in the
+    step, dropped), and 3 SGD steps follow one-device optax within the rounding of the
+    gradients, GPipe with ZeRO-1 and 1F1B with ZeRO-3."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jax_drain as jd
+
+    namespace = {"jax": jax, "jnp": jnp, "nnx": nnx, "P": P}
+    exec(_gspmd_guide_cell(flax_source, "MultiDotReluDot"), namespace)
+    dim, layers, rng = 16, 4, np.random.default_rng(13)
+
+    class WithHead(nnx.Module):  # the user's model around the guide's stack: a stage axis needs one parameter outside it
+        def __init__(self, rngs):
+            self.body = namespace["MultiDotReluDot"](dim, layers, rngs=rngs)
+            self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.body(x))[:, 0]
+
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh((2, 2, 2), ("data", "stage", "model"), axis_types=auto, devices=cpu_devices)
+    with jax.set_mesh(mesh):
+        model = WithHead(nnx.Rngs(0))
+    batches = [{"x": rng.normal(size=(32, dim)).astype(np.float32), "y": rng.normal(size=(32,)).astype(np.float32)}
+               for _ in range(3)]
+    loss = lambda m, batch: jnp.mean((m(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+    graphdef, params = nnx.split(model, nnx.Param)
+    start = jax.device_get(nnx.to_pure_dict(params))
+    with jax.set_mesh(mesh):
+        step = jd.make_train_step(model, loss, optax.sgd(0.1), mesh,
+                                  jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4,
+                                                 shard_params=shard_params, pipeline_schedule=schedule),
+                                  example_batch=batches[0])
+        assert step.tensor_parallel == "gspmd"
+        state = step.init()
+        if not shard_params:  # this stage's 2 layers, this model rank's half
+            kernel = state.params["body"]["layers"]["dot1"]["kernel"]
+            assert {s.data.shape for s in kernel.addressable_shards} == {(layers // 2, dim, dim // 2)}
+        program = step.lower(state, batches[0]).as_text()
+        # The layer's activation [rows, dim] (a micro-batch's rows): constrained over 'model' alone
+        # (the open ``{?}`` ones are jax's own, which name no axis).
+        activation = re.compile(rf"sdy\.sharding_constraint .* : tensor<\d+x{dim}xf32>")
+        constrained = [line for line in program.splitlines() if activation.search(line) and '"' in line]
+        assert constrained and all('[{}, {"model"}]>' in line for line in constrained), constrained
+        step.update_model(model, train_on(step, batches, state))
+
+    one = jax.make_mesh((1, 1, 1), ("data", "stage", "model"), axis_types=auto, devices=cpu_devices[:1])
+
+    def one_device(p, b):
+        return loss(nnx.merge(graphdef, nnx.State(p), copy=True), b)
+
+    with jax.set_mesh(one):  # the guide's constraint names its mesh's axes
+        want, _, gradients = reference_run(one_device, start, optax.sgd(0.1), batches)
+        additions = rounding_chain(jax.grad(one_device), start, batches[0]) + 8 + 4
+    bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.1, params=start)
+    assert_within(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))), want, bounds[-1],
+                  what=f"after 3 steps ({schedule}, {shard_params=})")
 
 
 # -- EasyLM's LLaMA: a pjit model with its own activation constraints ----------------------------
