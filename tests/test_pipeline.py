@@ -376,11 +376,12 @@ def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state(schedul
                                                     jax.tree.leaves(before.opt_state)))
 
 
-def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_back_what_zero1_does():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_back_what_zero1_does(schedule):
     """Each stage's chain carries its own residuals: over 30 SGD steps on (data, stage) = (2, 4),
-    an int8 wire with error feedback lands closer to the fp32-accumulated step's parameters than
-    without (equal without the feedback), and ZeRO-3 gives ZeRO-1's parameters and residuals
-    bit for bit (the same gradient, the same residual added to each bucket)."""
+    in either schedule, an int8 wire with error feedback lands closer to the fp32-accumulated
+    step's parameters than without, and ZeRO-3 gives ZeRO-1's parameters and residuals bit for
+    bit (the same gradient, the same residual added to each bucket)."""
     rng = np.random.default_rng(4)
     params, _ = _problem(4)
     params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
@@ -388,8 +389,8 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
     batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32)} for _ in range(30)]
 
     def final(**options):
-        config = dict(stage_axis="stage", pipeline_microbatches=4, bucket_size=64, reduce="int8_accum",
-                      error_feedback=True, donate=False) | options
+        config = dict(stage_axis="stage", pipeline_microbatches=4, pipeline_schedule=schedule, bucket_size=64,
+                      reduce="int8_accum", error_feedback=True, donate=False) | options
         step = jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), jd.TrainConfig(**config),
                                   example_batch=batches[0])
         state = step.init()
@@ -438,18 +439,20 @@ def test_a_stage_axis_needs_a_stack_the_stages_split():
         jd.make_train_step(params, _stack_loss, optax.sgd(0.1), mesh, config, example_batch={"x": batch["x"][:18]})
 
 
-def test_a_stage_axis_checkpoint_moves_to_other_stage_counts_and_to_no_pipeline(tmp_path):
-    """Saved on (data, stage) = (2, 4), restored onto (4, 2) and onto a plain data-parallel step
-    (whole-leaf buckets, or the scanned stack's in-scan sync): the parameters arrive bit for bit,
-    and each step runs on from them."""
+@pytest.mark.parametrize("saved_by,moved_to", [("gpipe", "1f1b"), ("1f1b", "gpipe")])
+def test_a_stage_axis_checkpoint_moves_to_other_stage_counts_and_to_no_pipeline(saved_by, moved_to, tmp_path):
+    """Saved on (data, stage) = (2, 4) by one schedule, restored onto (4, 2) with the other and
+    onto a plain data-parallel step (whole-leaf buckets, or the scanned stack's in-scan sync):
+    the parameters arrive bit for bit, and each step runs on from them."""
     batch = models.example_batch(_gpt(jnp.float32), 16, jax.random.key(1))
-    _, _, staged = _gpt_step((2, 4), 8, batch)
+    _, _, staged = _gpt_step((2, 4), 8, batch, schedule=saved_by)
     state, _ = staged(staged.init(), batch)
     jd.save_checkpoint(tmp_path / "ckpt", state)
     saved = jax.device_get(state)
     data = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
     for name, mesh, config in (
-            ("stage=2", _mesh((4, 2)), jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, bucket_size=4096)),
+            ("stage=2", _mesh((4, 2)), jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, bucket_size=4096,
+                                                      pipeline_schedule=moved_to)),
             ("no pipeline", data, jd.TrainConfig(bucket_size=4096)),
             ("no pipeline, in-scan sync", data, jd.TrainConfig(bucket_size=4096, scan_layers=True))):
         model = models.GPT(_gpt(jnp.float32), rngs=nnx.Rngs(0))
