@@ -239,7 +239,8 @@ class TrainConfig:
             gradients over the micro-batches in ``accum_dtype``; GPipe in their own dtype. The
             batch is split over ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
-            parameters over both. Needs ``example_batch`` (the loss is traced to find the
+            parameters over both (where every parameter is in the stack, the smallest stacked
+            leaf stays whole on every stage and is one of those). Needs ``example_batch`` (the loss is traced to find the
             stack). Tensor parallelism composes with it, hand-written (``param_specs``, the loss
             does its own ``psum`` over the model axes) or GSPMD (declared shardings or
             ``tensor_parallel="gspmd"``: the loss on global shapes, XLA partitions each stage's
@@ -1270,10 +1271,9 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     stacked = [path for path, m in zip(leaf_paths(params), jax.tree.leaves(mask)) if m]
     if not stacked:
         raise ValueError("stage_axis splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
-                         "parameters), and the loss scans over none of its parameters")
-    if all(jax.tree.leaves(mask)):
-        raise ValueError("stage_axis: every parameter is in the layer stack; a step with a stage axis needs one "
-                         "outside it too (an embedding, a head or a final norm), which is not supported yet")
+                         "parameters), and the loss scans over none of its parameters: a list of blocks, each with "
+                         "its own parameters, is not a stack; scan them over stacked parameters")
+    split = _split_over_stages(params, mask)
     layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves((params, model_state)),
                                                           jax.tree.leaves((mask, state_mask))) if m})
     if len(layers) != 1 or layers[0] % stages:
@@ -1281,8 +1281,8 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
                          f"not split equally (the stacked leaves: {stacked[:3]}{'...' if len(stacked) > 3 else ''})")
     axis = as_axes(config.axis, "axis")
     derived = dataclasses.replace(
-        config, axis=axis + (stage,), expert=mask, expert_axis=axis if len(axis) > 1 else axis[0],
-        param_specs=_stage_specs(mask, specs, params, stage), tensor_parallel=tensor_parallel,
+        config, axis=axis + (stage,), expert=split, expert_axis=axis if len(axis) > 1 else axis[0],
+        param_specs=_stage_specs(split, specs, params, stage), tensor_parallel=tensor_parallel,
         scan_layers=False, stage_axis=None, pipeline_microbatches=None, pipeline_schedule="gpipe")
     per_layer = [path for path, m in zip(leaf_paths(model_state), jax.tree.leaves(state_mask)) if m]
 
@@ -1290,6 +1290,9 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
         # Each stage reads its own layers' share of the per-layer model state (running
         # statistics, RNG counters); the state stays whole on every device.
         local = jax.tree.map(lambda x, m: _stage_rows(x, stage) if m else x, state, state_mask)
+        # A stacked leaf kept whole on every stage: each stage reads its own rows; the sum of the
+        # stages' gradients (its chain's, over the stage axis too) puts each row's in place.
+        p = jax.tree.map(lambda x, m, mine: _stage_rows(x, stage) if m and not mine else x, p, mask, split)
         out, new = pipeline.pipelined(lambda ps, b_: loss(ps[0], ps[1], b_, device), (mask, state_mask), axis=stage,
                                       microbatches=microbatches, schedule=config.pipeline_schedule,
                                       has_state=True, accum_dtype=config.accum_dtype)((p, local), b)
@@ -1307,6 +1310,18 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
         return out, jax.tree.unflatten(jax.tree.structure(new), kept)
 
     return derived, piped_fn, microbatches
+
+
+def _split_over_stages(params: PyTree, stacked: PyTree) -> PyTree:
+    """Which stacked leaves the stage axis splits: all of them, but where every parameter is in
+    the stack, the smallest stays whole on every stage (the step's stage-replicated chain needs
+    one leaf; it costs that leaf's bytes once per stage)."""
+    flags = jax.tree.leaves(stacked)
+    if not all(flags):
+        return stacked
+    sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
+    whole = sizes.index(min(sizes))
+    return jax.tree.unflatten(jax.tree.structure(stacked), [i != whole for i in range(len(flags))])
 
 
 def _stage_rows(x: jax.Array, stage: str) -> jax.Array:

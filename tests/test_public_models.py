@@ -19,9 +19,9 @@ per-device BatchNorm statistics in training mode must be refused. On a stage axi
 it must train like one device, ZeRO-1 and ZeRO-3, GPipe and 1F1B.
 
 The NNX GSPMD guide's ``MultiDotReluDot`` (its code cell in ``docs_nnx/guides/flax_gspmd.md``: a
-scanned stack whose weights declare their 'model' split and whose layers constrain their
-activations over ``('data', 'model')``) must train on a ``(data, stage, model)`` mesh in the
-guide's ``jax.set_mesh`` context like one device, its constraint kept over 'model'.
+scanned stack, the whole model, whose weights declare their 'model' split and whose layers
+constrain their activations over ``('data', 'model')``) must train on a ``(data, stage, model)``
+mesh in the guide's ``jax.set_mesh`` context like one device, its constraint kept over 'model'.
 
 Flax's pip package has no ``examples/``, and CI has neither network nor a flax checkout, so the
 models' source is found only through ``JAX_DRAIN_FLAX_EXAMPLES``: a flax checkout (a directory
@@ -284,7 +284,7 @@ def test_flax_nnx_scan_over_layers_unchanged_trains_on_a_stage_axis_like_one_dev
     spec.loader.exec_module(example)
     dim, layers, rng = 16, 4, np.random.default_rng(11)
 
-    class WithHead(nnx.Module):  # the user's model around Flax's stack: a stage axis needs one parameter outside it
+    class WithHead(nnx.Module):  # the user's model around Flax's stack: a head after it
         def __init__(self, rngs):
             self.body = example.ScanMLP(dim, n_layers=layers, rngs=rngs)
             self.head = nnx.Linear(dim, 1, rngs=rngs)
@@ -330,14 +330,15 @@ def _gspmd_guide_cell(flax_source: str, defines: str) -> str:
 @pytest.mark.parametrize("shard_params,schedule", [(False, "gpipe"), (True, "1f1b")], ids=["zero1-gpipe", "zero3-1f1b"])
 def test_flax_gspmd_guide_s_scanned_model_trains_on_a_stage_axis_with_xla_s_tensor_parallel(
         flax_source, shard_params, schedule, cpu_devices):
-    """Flax's NNX GSPMD guide's ``MultiDotReluDot``, its cell unchanged: a ``jax.lax.scan`` over
-    layers made by ``nnx.vmap``, each weight declaring its 'model' split
+    """Flax's NNX GSPMD guide's ``MultiDotReluDot``, its cell unchanged and the whole model: a
+    ``jax.lax.scan`` over layers made by ``nnx.vmap``, each weight declaring its 'model' split
     (``nnx.with_partitioning``), each layer constraining its activation to ``P('data',
-    'model')``, run in the guide's ``jax.set_mesh`` context. On ``(data, stage, model) = (2, 2,
-    2)``, under a head: the declared shardings pick tensor parallelism by XLA, each device holds
-    its stage's layers' 'model' half, the constraint keeps 'model' (its 'data', manual in the
-    step, dropped), and 3 SGD steps follow one-device optax within the rounding of the
-    gradients, GPipe with ZeRO-1 and 1F1B with ZeRO-3."""
+    'model')``, run in the guide's ``jax.set_mesh`` context, every parameter in the stack. On
+    ``(data, stage, model) = (2, 2, 2)``: the declared shardings pick tensor parallelism by XLA;
+    each device holds its stage's layers' 'model' half of ``w2`` (``dot1``'s kernel, the
+    smallest stacked leaf, whole on every stage); the constraint keeps 'model' (its 'data',
+    manual in the step, dropped); and 3 SGD steps follow one-device optax within the rounding
+    of the gradients, GPipe with ZeRO-1 and 1F1B with ZeRO-3."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -347,20 +348,11 @@ def test_flax_gspmd_guide_s_scanned_model_trains_on_a_stage_axis_with_xla_s_tens
     namespace = {"jax": jax, "jnp": jnp, "nnx": nnx, "P": P}
     exec(_gspmd_guide_cell(flax_source, "MultiDotReluDot"), namespace)
     dim, layers, rng = 16, 4, np.random.default_rng(13)
-
-    class WithHead(nnx.Module):  # the user's model around the guide's stack: a stage axis needs one parameter outside it
-        def __init__(self, rngs):
-            self.body = namespace["MultiDotReluDot"](dim, layers, rngs=rngs)
-            self.head = nnx.Linear(dim, 1, rngs=rngs)
-
-        def __call__(self, x):
-            return self.head(self.body(x))[:, 0]
-
     auto = (jax.sharding.AxisType.Auto,) * 3
     mesh = jax.make_mesh((2, 2, 2), ("data", "stage", "model"), axis_types=auto, devices=cpu_devices)
     with jax.set_mesh(mesh):
-        model = WithHead(nnx.Rngs(0))
-    batches = [{"x": rng.normal(size=(32, dim)).astype(np.float32), "y": rng.normal(size=(32,)).astype(np.float32)}
+        model = namespace["MultiDotReluDot"](dim, layers, rngs=nnx.Rngs(0))
+    batches = [{"x": rng.normal(size=(32, dim)).astype(np.float32), "y": rng.normal(size=(32, dim)).astype(np.float32)}
                for _ in range(3)]
     loss = lambda m, batch: jnp.mean((m(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
     graphdef, params = nnx.split(model, nnx.Param)
@@ -372,9 +364,10 @@ def test_flax_gspmd_guide_s_scanned_model_trains_on_a_stage_axis_with_xla_s_tens
                                   example_batch=batches[0])
         assert step.tensor_parallel == "gspmd"
         state = step.init()
-        if not shard_params:  # this stage's 2 layers, this model rank's half
-            kernel = state.params["body"]["layers"]["dot1"]["kernel"]
-            assert {s.data.shape for s in kernel.addressable_shards} == {(layers // 2, dim, dim // 2)}
+        if not shard_params:
+            held = lambda x: {s.data.shape for s in x.addressable_shards}  # noqa: E731
+            assert held(state.params["layers"]["w2"]) == {(layers // 2, dim // 2, dim)}  # its stage's, its half
+            assert held(state.params["layers"]["dot1"]["kernel"]) == {(layers, dim, dim // 2)}  # every stage's
         program = step.lower(state, batches[0]).as_text()
         # The layer's activation [rows, dim] (a micro-batch's rows): constrained over 'model' alone
         # (the open ``{?}`` ones are jax's own, which name no axis).
