@@ -235,8 +235,8 @@ class TrainConfig:
             backward starts as soon as its forward ends, the loss after the stack taken on the
             last stage per micro-batch (the mean of the micro-batches' means, as with
             ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
-            however many there are; the loss must not update model state. 1F1B sums the stage's
-            gradients over the micro-batches in ``accum_dtype``; GPipe in their own dtype. The
+            however many there are; the loss must not update model state. Both sum the stage's
+            gradients over the micro-batches in ``accum_dtype``. The
             batch is split over ``axis`` and ``stage_axis`` both.
             Each stage's layers are reduced over ``axis`` only, in their own chain; the other
             parameters over both (where every parameter is in the stack, the smallest stacked

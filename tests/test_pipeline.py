@@ -173,6 +173,45 @@ def test_a_stage_that_divides_by_a_norm_keeps_finite_gradients():
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(got))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_bf16_stage_s_gradient_is_summed_over_micro_batches_in_accum_dtype(schedule):
+    """A bf16 stage ``h * w`` on 4 stages, 16 micro-batches of one row: each micro-batch adds its
+    row to every stage's gradient of ``w`` exactly (small integers), 1 from fifteen of them and
+    256 from the middle one. Summed in float32 the gradient is 271, cast once to bf16: 272. Summed
+    in bf16 (``accum_dtype=None``), 256 + 1 rounds back to 256's neighbourhood at every step:
+    264, whatever the order of the sum."""
+    stages, microbatches, width = 4, 16, 8
+    mesh = Mesh(np.array(jax.devices("cpu")[:stages]), ("stage",))
+    rows = np.ones((microbatches, width), np.float32)
+    rows[microbatches // 2] = 256.0
+    w = jnp.ones((stages, width), jnp.bfloat16)
+    stage_fn = lambda p, h: h * p[0]  # noqa: E731
+
+    def grads(accum_dtype):
+        if schedule == "gpipe":
+            def loss(p, x):
+                return jnp.sum(pp.pipeline(stage_fn, p, x, axis="stage", microbatches=microbatches,
+                                           accum_dtype=accum_dtype).astype(jnp.float32))
+
+            run = lambda p, x: jax.grad(loss)(p, x)  # noqa: E731
+            in_specs = (P("stage"), P("stage"))
+            x = jnp.asarray(rows, jnp.bfloat16)
+        else:
+            def run(p, x):
+                head = lambda hp, y, m: (jnp.sum(y.astype(jnp.float32)) * hp, ())  # noqa: E731
+                return pp.one_f_one_b(stage_fn, p, x, head, jnp.float32(1), axis="stage",
+                                      accum_dtype=accum_dtype).stage_grads
+
+            in_specs = (P("stage"), P())
+            x = jnp.asarray(rows[:, None, :], jnp.bfloat16)  # [microbatches, rows, width], read on stage 0
+        return np.asarray(jax.jit(jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=P("stage")))(w, x),
+                          np.float32)
+
+    wide, narrow = grads(jnp.float32), grads(None)
+    assert wide.dtype == np.float32 and np.all(wide == 272.0), wide
+    assert np.all(narrow == 264.0), narrow
+
+
 def test_schedule_sizes_and_refusals():
     assert pp.num_ticks(8, 4) == 11 and pp.bubble_fraction(8, 4) == pytest.approx(3 / 11)
     assert [pp.stage_inputs_held(m, 4, "1f1b") for m in (2, 7, 16)] == [2, 7, 7]
