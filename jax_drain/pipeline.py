@@ -7,8 +7,9 @@ the stage axis along the layer axis).
 
 * :func:`gpipe`: the schedule itself. Micro-batch ``m`` enters stage 0 at tick ``m`` and stage
   ``s`` at tick ``m + s``; ``microbatches + stages - 1`` ticks in all, of which each stage idles
-  ``stages - 1`` (:func:`bubble_fraction`). Differentiating through it gives GPipe's backward:
-  every forward, then every backward, in reverse tick order.
+  ``stages - 1`` (:func:`bubble_fraction`). Differentiating it gives GPipe's backward: every
+  forward, then every backward, in reverse tick order, the stage's gradient summed over the
+  micro-batches in ``accum_dtype``.
 * :func:`pipeline`: the stack applied to each device's own part of the batch, as if it ran
   there: the parts are gathered over the stage axis, cut into micro-batches, sent through
   :func:`gpipe`, and the last stage's results scattered back, so that what runs before and
@@ -91,58 +92,150 @@ def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
             (``jax.checkpoint``); ``False`` keeps every activation of every tick.
         side: ``[microbatches, ...]`` arrays every stage reads along with the micro-batch it
             works on (an attention mask of those rows, say); ``None``: none.
-        accum_dtype: what the gradient w.r.t. ``stage_params`` is summed in over the ticks when
-            the schedule is differentiated (``None``: their own dtype). The stage reads its
-            parameters through a copy in the wider dtype, whose cotangent the backward loop
-            sums: a bf16 stage's float32 sums cost that copy and the float32 sum, 4 bytes more
-            per parameter than summing in bf16.
+        accum_dtype: what the gradient w.r.t. ``stage_params`` (and what ``stage_fn`` closes
+            over) is summed in over the ticks when the schedule is differentiated (``None``:
+            their own dtype). With ``remat`` the backward loop is written out and keeps that
+            sum: a bf16 stage's float32 sum costs 2 bytes per parameter more than a bf16 one.
+            Without, jax differentiates the forward loop, which reads the parameters through a
+            copy in the wider dtype (2 bytes per parameter more again).
 
     Each stage computes at every tick; the ticks before a micro-batch reaches it and after the
     last one left run on stand-in values whose results are dropped. They start from the first
     micro-batch rather than zeros, so that a stage that divides by a norm never sees zeros: a
     non-finite stand-in would make its dropped gradient ``0 * inf``.
     """
-    stages = _compat.axis_size(axis)
     sizes = {x.shape[0] for x in jax.tree.leaves(inputs)}
     if len(sizes) != 1:
         raise ValueError(f"gpipe: every input leaf needs the same leading (micro-batch) dimension, got {sorted(sizes)}")
     (microbatches,) = sizes
-    stage = jax.lax.axis_index(axis)
-    inputs = jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), inputs)
-    # The loop reads the parameters in the sum's dtype: the backward loop sums their cotangent
-    # there, each tick's cast from the stage's own dtype.
-    dtypes = jax.tree.map(lambda a: a.dtype, stage_params)
-    stage_params = jax.tree.map(lambda a: a.astype(_sum_dtype(a, accum_dtype)) if _inexact(a) else a, stage_params)
-    narrowed = lambda p, *rest: stage_fn(jax.tree.map(lambda a, d: a.astype(d), p, dtypes), *rest)  # noqa: E731
-    apply = jax.checkpoint(narrowed) if remat else narrowed
-    forward = [(s, s + 1) for s in range(stages - 1)]
     if side is not None and {x.shape[0] for x in jax.tree.leaves(side)} - {microbatches}:
         raise ValueError(f"gpipe: side inputs need the inputs' {microbatches} micro-batches as leading dimension")
+    inputs = jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), inputs)
+    call = stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
+    if remat:
+        # The backward written out (_gpipe_remat): it recomputes each tick's stage from its
+        # input and sums the parameters' gradient in the sum's dtype as it goes.
+        fn, consts = jax.closure_convert(call, stage_params, _at(inputs, 0), _at(side, 0))
+        return _gpipe_remat(fn, axis, accum_dtype, stage_params, tuple(consts), inputs, side)
+    # Every activation kept: jax's own derivative of the loop, whose parameters are read through
+    # a copy in the sum's dtype, so that the backward loop sums their cotangent there.
+    dtypes = jax.tree.map(lambda a: a.dtype, stage_params)
+    wide = jax.tree.map(lambda a: a.astype(_sum_dtype(a, accum_dtype)) if _inexact(a) else a, stage_params)
+    narrowed = lambda p, x, s_: call(jax.tree.map(lambda a, d: a.astype(d), p, dtypes), x, s_)  # noqa: E731
+    return _gpipe_ticks(narrowed, wide, inputs, side, axis)[0]
 
-    def tick(carry: tuple[PyTree, PyTree], t: jax.Array) -> tuple[tuple[PyTree, PyTree], None]:
+
+def _gpipe_ticks(apply: Callable[[PyTree, PyTree, PyTree], PyTree], stage_params: PyTree, inputs: PyTree,
+                 side: PyTree, axis: str, *, keep_inputs: bool = False) -> tuple[PyTree, PyTree]:
+    """:func:`gpipe`'s forward loop: ``(outputs, each tick's stage input)`` (the latter
+    ``[ticks, ...]`` with ``keep_inputs``, else ``None``)."""
+    stages, stage = _compat.axis_size(axis), jax.lax.axis_index(axis)
+    (microbatches,) = {x.shape[0] for x in jax.tree.leaves(inputs)}
+    forward = [(s, s + 1) for s in range(stages - 1)]
+
+    def tick(carry: tuple[PyTree, PyTree], t: jax.Array) -> tuple[tuple[PyTree, PyTree], PyTree]:
         state, outputs = carry
-        entering = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
-            x, jnp.minimum(t, microbatches - 1), keepdims=False), inputs)
-        x = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), entering, state)
-        if side is None:
-            y = apply(stage_params, x)
-        else:  # the micro-batch this stage works on (a stand-in tick reads a real one)
-            mine = jnp.clip(t - stage, 0, microbatches - 1)
-            y = apply(stage_params, x, jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, mine, keepdims=False), side))
+        x = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), _at(inputs, jnp.minimum(t, microbatches - 1)),
+                         state)
+        # The micro-batch this stage works on (a stand-in tick reads a real one).
+        y = apply(stage_params, x, _at(side, jnp.clip(t - stage, 0, microbatches - 1)))
         # The last stage finishes micro-batch t - (stages - 1); a slot is written once.
         slot = t - (stages - 1)
-        write = (stage == stages - 1) & (slot >= 0)
-        at = jnp.clip(slot, 0, microbatches - 1)
-        outputs = jax.tree.map(lambda o, v: jax.lax.dynamic_update_index_in_dim(
-            o, jnp.where(write, v, jax.lax.dynamic_index_in_dim(o, at, keepdims=False)), at, 0), outputs, y)
+        outputs = _keep(outputs, jnp.clip(slot, 0, microbatches - 1), (stage == stages - 1) & (slot >= 0), y)
         state = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
-        return (state, outputs), None
+        return (state, outputs), (x if keep_inputs else None)
 
-    first = jax.tree.map(lambda x: x[0], inputs)
+    first = _at(inputs, 0)
     empty = jax.tree.map(jnp.zeros_like, inputs)
-    (_, outputs), _ = jax.lax.scan(tick, (first, empty), jnp.arange(num_ticks(microbatches, stages)))
-    return outputs
+    (_, outputs), kept = jax.lax.scan(tick, (first, empty), jnp.arange(num_ticks(microbatches, stages)))
+    return outputs, kept
+
+
+def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_params: PyTree, consts: tuple,
+                 inputs: PyTree, side: PyTree) -> PyTree:
+    """:func:`gpipe` with ``remat``: the forward keeps each tick's stage input; the backward
+    loop runs the ticks in reverse, recomputes the stage from that input, sends the input's
+    cotangent to the previous stage, and sums the gradients of the stage's parameters and of
+    ``fn``'s closed-over ``consts`` in ``accum_dtype``. ``fn(stage_params, x, side_m, *consts)``."""
+
+    def apply(p: PyTree, x: PyTree, s_: PyTree, c: tuple) -> PyTree:
+        return fn(p, x, s_, *c)
+
+    @jax.custom_vjp
+    def run(stage_params: PyTree, consts: tuple, inputs: PyTree, side: PyTree) -> PyTree:
+        return _gpipe_ticks(lambda p, x, s_: apply(p, x, s_, consts), stage_params, inputs, side, axis)[0]
+
+    def forward(stage_params: PyTree, consts: tuple, inputs: PyTree, side: PyTree) -> tuple[PyTree, tuple]:
+        outputs, kept = _gpipe_ticks(lambda p, x, s_: apply(p, x, s_, consts), stage_params, inputs, side, axis,
+                                     keep_inputs=True)
+        return outputs, (stage_params, consts, inputs, side, kept)
+
+    def backward(residuals: tuple, cot: PyTree) -> tuple:
+        stage_params, consts, inputs, side, kept = residuals
+        stages, stage = _compat.axis_size(axis), jax.lax.axis_index(axis)
+        (microbatches,) = {x.shape[0] for x in jax.tree.leaves(inputs)}
+        # Stage-local copies: the sums over the stage axis that jax's transpose would insert for
+        # an invariant input stay out of the branches that only some stages take.
+        mine = _vary_inexact((stage_params, consts), axis)
+        backward_pairs = [(s + 1, s) for s in range(stages - 1)]
+
+        def pull(x: PyTree, m: jax.Array, cot_y: PyTree) -> tuple:
+            _, vjp = _vjp_inexact(lambda pc, x_, s_: apply(pc[0], x_, s_, pc[1]), mine, x, _at(side, m))
+            return vjp(cot_y)
+
+        def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+            cot_in, sums, input_grads, side_grads = carry
+            slot = t - (stages - 1)
+            written = (stage == stages - 1) & (slot >= 0)
+            cot_y = jax.tree.map(lambda c, o: c + jnp.where(written, _at(o, jnp.clip(slot, 0, microbatches - 1)), 0)
+                                 .astype(c.dtype), cot_in, cot)
+            m = t - stage  # the micro-batch this stage ran at tick t, if any
+            real, at_m = (m >= 0) & (m < microbatches), jnp.clip(m, 0, microbatches - 1)
+            # Every tick runs, as in the forward: a stand-in tick's input is real data and its
+            # cotangent zero, so its parameter gradient is zero as it stands; its other results
+            # are dropped. No branch, so XLA schedules (and prices) the loop as one body.
+            d_mine, dx, d_side = pull(_at(kept, t), at_m, cot_y)
+            dx = jax.tree.map(lambda g: jnp.where(real, g, jnp.zeros_like(g)), dx)
+            sums = jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, d_mine)
+            input_grads = _keep(input_grads, at_m, real & (stage == 0), dx)
+            side_grads = _keep(side_grads, at_m, real, jax.tree.map(jnp.add, _at(side_grads, at_m), d_side))
+            cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward_pairs), dx)
+            return (cot_in, sums, input_grads, side_grads), None
+
+        zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
+            lambda a: jnp.zeros(np.shape(a), dtype(a) if dtype else a.dtype), tree)
+        init = (zeros(_at(inputs, 0)), zeros(mine, lambda a: _sum_dtype(a, accum_dtype)),
+                zeros(inputs, lambda a: _sum_dtype(a, None)), zeros(side, lambda a: _sum_dtype(a, None)))
+        ticks = jnp.arange(num_ticks(microbatches, stages))[::-1]
+        init = _compat.settle_carry(tick, jax.tree.map(lambda a: _compat.mark_varying(a, (axis,)), init), ticks[0])
+        (_, sums, input_grads, side_grads), _ = jax.lax.scan(tick, init, ticks)
+        # Each gradient in its input's dtype, summed over the stage axis where the input is the
+        # same on every stage (a closed-over constant).
+        like = lambda g, x: _compat.mark_varying(  # noqa: E731
+            _transpose_cast(g.astype(x.dtype), x), tuple(_compat.varying_axes(x))) if _inexact(x) else None
+        d_params, d_consts = jax.tree.map(like, sums, (stage_params, consts))
+        return (d_params, d_consts, jax.tree.map(like, input_grads, inputs),
+                None if side is None else jax.tree.map(like, side_grads, side))
+
+    run.defvjp(forward, backward)
+    return run(stage_params, consts, inputs, side)
+
+
+def _at(tree: PyTree, i: Any) -> PyTree:
+    """Entry ``i`` of every leaf's leading axis (``None`` stays ``None``)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _keep(buffer: PyTree, i: jax.Array, pred: jax.Array, value: PyTree) -> PyTree:
+    """``buffer[i] = value`` where ``pred``, else ``buffer`` unchanged."""
+    return jax.tree.map(lambda a, v, old: jax.lax.dynamic_update_index_in_dim(
+        a, jnp.where(pred, v.astype(a.dtype), old), i, 0), buffer, value, _at(buffer, i))
+
+
+def _when(pred: jax.Array, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where ``pred``, else zeros of its result (``lax.cond``: only one runs)."""
+    zeros = lambda *_: jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))  # noqa: E731
+    return jax.lax.cond(pred, fn, zeros, *args)
 
 
 class OneFOneB(NamedTuple):
@@ -218,11 +311,10 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     # jax's transpose would insert stays out of the branches that only some stages take.
     stage_params, head_params = _vary_inexact((stage_params, head_params), axis)
     call = stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
-    at = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)  # noqa: E731
-    one = at(inputs, 0)
+    one = _at(inputs, 0)
 
     def stage_pull(x: PyTree, m: jax.Array, cot: PyTree) -> tuple:
-        _, pull = _vjp_inexact(call, stage_params, x, at(side, m))
+        _, pull = _vjp_inexact(call, stage_params, x, _at(side, m))
         return pull(cot)
 
     def head_pull(y: PyTree, m: jax.Array) -> tuple:
@@ -230,13 +322,6 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         return total, extra, *pull(jnp.ones_like(total))
 
     zeros = lambda fn, *args: jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))  # noqa: E731
-
-    def when(pred: jax.Array, fn: Callable, *args: Any) -> Any:  # fn(*args) where pred, else its zeros
-        return jax.lax.cond(pred, fn, lambda *_: zeros(fn, *args), *args)
-
-    def keep(buffer: PyTree, i: jax.Array, pred: jax.Array, value: PyTree) -> PyTree:  # buffer[i] = value where pred
-        return jax.tree.map(lambda a, v, old: jax.lax.dynamic_update_index_in_dim(
-            a, jnp.where(pred, v.astype(a.dtype), old), i, 0), buffer, value, at(buffer, i))
 
     forward = [(s, s + 1) for s in range(stages - 1)]
     backward = [(s + 1, s) for s in range(stages - 1)]
@@ -246,20 +331,20 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         f = t - stage  # the micro-batch this stage runs forward, if any
         fm = jnp.clip(f, 0, microbatches - 1)
         has_f = (f >= 0) & (f < microbatches)
-        x = jax.tree.map(lambda a, b: jnp.where(first, a, b), at(inputs, fm), received)
-        y = when(has_f, lambda x_, m: call(stage_params, x_, at(side, m)), x, fm)
-        stash = keep(stash, fm % slots, has_f, x)
-        total, extra, d_head, dy = when(has_f & last, head_pull, y, fm)
+        x = jax.tree.map(lambda a, b: jnp.where(first, a, b), _at(inputs, fm), received)
+        y = _when(has_f, lambda x_, m: call(stage_params, x_, _at(side, m)), x, fm)
+        stash = _keep(stash, fm % slots, has_f, x)
+        total, extra, d_head, dy = _when(has_f & last, head_pull, y, fm)
         value = jax.tree.map(jnp.add, value, (total, extra))
         b = t - 2 * (stages - 1) + stage  # the micro-batch this stage runs backward, if any
         bm = jnp.clip(b, 0, microbatches - 1)
         has_b = (b >= 0) & (b < microbatches)
         cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, cot_in)
-        d_stage, dx, d_side = when(has_b, stage_pull, at(stash, bm % slots), bm, cot)
+        d_stage, dx, d_side = _when(has_b, stage_pull, _at(stash, bm % slots), bm, cot)
         acc = lambda a, g: a + g.astype(a.dtype)  # noqa: E731
         grads, head_grads = jax.tree.map(acc, grads, d_stage), jax.tree.map(acc, head_grads, d_head)
-        input_grads = keep(input_grads, bm, has_b & first, dx)
-        side_grads = keep(side_grads, bm, has_b, jax.tree.map(jnp.add, at(side_grads, bm), d_side))
+        input_grads = _keep(input_grads, bm, has_b & first, dx)
+        side_grads = _keep(side_grads, bm, has_b, jax.tree.map(jnp.add, _at(side_grads, bm), d_side))
         received = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
         cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
         return (received, cot_in, stash, value, grads, head_grads, input_grads, side_grads), None

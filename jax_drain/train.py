@@ -181,7 +181,9 @@ class TrainConfig:
             is split into this many equal micro-batches and the buckets are synced once.
         accum_dtype: dtype of the local gradient accumulator (``None``: the gradients' own dtype,
             e.g. bf16). The mean gradient is cast to the parameter dtype before the sync. Not
-            used with ``scan_layers``: there the float32 shards are accumulated.
+            used with ``scan_layers``: there the float32 shards are accumulated. With
+            ``stage_axis`` it is also what each stage's gradient is summed in over the
+            pipeline's micro-batches.
         scan_layers: ``True``: the model runs its blocks under a scan over stacked parameters;
             use a :class:`~jax_drain.ScanGradSync` (the stacked leaves are found by tracing the
             loss). With ``microbatches=k`` every micro-batch is reduce-scattered inside its own
