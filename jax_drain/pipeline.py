@@ -174,8 +174,8 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
         stage_params, consts, inputs, side, kept = residuals
         stages, stage = _compat.axis_size(axis), jax.lax.axis_index(axis)
         (microbatches,) = {x.shape[0] for x in jax.tree.leaves(inputs)}
-        # Stage-local copies: the sums over the stage axis that jax's transpose would insert for
-        # an invariant input stay out of the branches that only some stages take.
+        # Stage-local copies: an invariant input's gradient is summed over the stage axis once,
+        # after the loop, not by jax's transpose in every tick.
         mine = _vary_inexact((stage_params, consts), axis)
         backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
@@ -187,8 +187,9 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
             cot_in, sums, input_grads, side_grads = carry
             slot = t - (stages - 1)
             written = (stage == stages - 1) & (slot >= 0)
+            # The outputs' cotangent (none for a leaf that is not floating: jax's float0).
             cot_y = jax.tree.map(lambda c, o: c + jnp.where(written, _at(o, jnp.clip(slot, 0, microbatches - 1)), 0)
-                                 .astype(c.dtype), cot_in, cot)
+                                 .astype(c.dtype) if _inexact(o) else c, cot_in, cot)
             m = t - stage  # the micro-batch this stage ran at tick t, if any
             real, at_m = (m >= 0) & (m < microbatches), jnp.clip(m, 0, microbatches - 1)
             # Every tick runs, as in the forward: a stand-in tick's input is real data and its
@@ -204,7 +205,7 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
 
         zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
             lambda a: jnp.zeros(np.shape(a), dtype(a) if dtype else a.dtype), tree)
-        init = (zeros(_at(inputs, 0)), zeros(mine, lambda a: _sum_dtype(a, accum_dtype)),
+        init = (zeros(_at(inputs, 0), lambda a: _sum_dtype(a, None)), zeros(mine, lambda a: _sum_dtype(a, accum_dtype)),
                 zeros(inputs, lambda a: _sum_dtype(a, None)), zeros(side, lambda a: _sum_dtype(a, None)))
         ticks = jnp.arange(num_ticks(microbatches, stages))[::-1]
         init = _compat.settle_carry(tick, jax.tree.map(lambda a: _compat.mark_varying(a, (axis,)), init), ticks[0])

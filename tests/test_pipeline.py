@@ -93,6 +93,39 @@ def test_pipeline_equals_the_stack_in_one_place(shape, microbatches, remat):
                            scale=magnitude, what="gradients")
 
 
+def test_an_integer_the_carry_holds_travels_through_the_written_out_backward():
+    """A carry of rows and an integer per row (a position each layer reads and advances): the
+    gradient through GPipe's backward (no cotangent for the integer) is the one-place float64
+    gradient's within its rounding."""
+    def layer_at(w, carry):
+        h, k = carry
+        return jnp.tanh(h @ w["kernel"] + w["bias"] * k[:, None].astype(h.dtype)) * w["scale"], k + 1
+
+    def stage(p, carry):
+        return jax.lax.scan(lambda c, w: (layer_at(w, c), None), carry, p)[0]
+
+    params, x = _problem(3)
+    k = np.arange(x.shape[0]) % 5
+    mesh = _mesh((2, 4))
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P("stage"), P(("data", "stage")), P(("data", "stage"))),
+                   out_specs=P("stage"))
+    def grads(p, x_, k_):
+        loss = lambda p_: jnp.sum(pp.pipeline(stage, p_, (x_, k_), axis="stage", microbatches=4)[0] ** 2)  # noqa: E731
+        return jax.grad(loss)(p)
+
+    p32, x32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (params, x))
+    got = grads(p32, x32, jnp.asarray(k, jnp.int32))
+    loss = lambda p_, x_: jnp.sum(stage(p_, (x_, jnp.asarray(k, jnp.int32)))[0] ** 2)  # noqa: E731
+    with jax.enable_x64(True):
+        p64, x64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, x))
+        want = jax.tree.map(np.asarray, jax.grad(loss)(p64, x64))
+        magnitude = float(loss(p64, x64))
+    assert_within_rounding(jax.tree.map(np.asarray, got), want, additions=rounding_chain(jax.grad(loss), p32, x32),
+                           scale=magnitude, what="gradients")
+
+
 def _embed_stack_head(params, batch, weighted=False):
     """A loss with something before the stack (an embedding), a row mask the layers read, and a
     head after it: what 1F1B splits between stage 0's rows, the stages and the last stage.
