@@ -174,9 +174,10 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
         stage_params, consts, inputs, side, kept = residuals
         stages, stage = _compat.axis_size(axis), jax.lax.axis_index(axis)
         (microbatches,) = {x.shape[0] for x in jax.tree.leaves(inputs)}
-        # Stage-local copies: an invariant input's gradient is summed over the stage axis once,
-        # after the loop, not by jax's transpose in every tick.
-        mine = _vary_inexact((stage_params, consts), axis)
+        # Each differentiated as ``fn`` was traced: an input the same on every stage (a
+        # closed-over constant) gets its gradient summed over the stage axis in each tick by
+        # jax's transpose, as differentiating the forward loop does.
+        mine = (stage_params, consts)
         backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
         def pull(x: PyTree, m: jax.Array, cot_y: PyTree) -> tuple:
@@ -208,7 +209,7 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
         init = (zeros(_at(inputs, 0), lambda a: _sum_dtype(a, None)), zeros(mine, lambda a: _sum_dtype(a, accum_dtype)),
                 zeros(inputs, lambda a: _sum_dtype(a, None)), zeros(side, lambda a: _sum_dtype(a, None)))
         ticks = jnp.arange(num_ticks(microbatches, stages))[::-1]
-        init = _compat.settle_carry(tick, jax.tree.map(lambda a: _compat.mark_varying(a, (axis,)), init), ticks[0])
+        init = _compat.settle_carry(tick, init, ticks[0])
         (_, sums, input_grads, side_grads), _ = jax.lax.scan(tick, init, ticks)
         # Each gradient in its input's dtype, summed over the stage axis where the input is the
         # same on every stage (a closed-over constant).

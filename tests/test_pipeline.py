@@ -126,6 +126,46 @@ def test_an_integer_the_carry_holds_travels_through_the_written_out_backward():
                            scale=magnitude, what="gradients")
 
 
+def test_what_a_stage_closes_over_gets_its_gradient_summed_over_the_stages():
+    """A stage that closes over a float the same on every stage (a scale, differentiated) and an
+    integer computed in the step (positions): the written-out backward hoists them, and the
+    scale's gradient is the one-place float64 gradient's within its rounding, summed over the
+    stages once (not once per stage)."""
+    params, x = _problem(5)
+    mesh = _mesh((2, 4))
+
+    def loss_of(p, x_, scale, shift):
+        positions = (jnp.arange(x_.shape[1]) + shift) % 3
+
+        def stage(p_, h):
+            return jax.lax.scan(lambda c, w: (layer(c, w) * scale + positions * 0.01, None), h, p_)[0]
+
+        return stage, positions
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P("stage"), P(("data", "stage")), P(), P()), out_specs=(P("stage"), P()))
+    def grads(p, x_, scale, shift):
+        def loss(p_, scale_):
+            stage, _ = loss_of(p_, x_, scale_, shift)
+            return jnp.sum(pp.pipeline(stage, p_, x_, axis="stage", microbatches=4) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(p, scale)  # an invariant input's: summed over every device
+
+    def one_place(p, x_, scale):
+        stage, _ = loss_of(p, x_, scale, 1)
+        return jnp.sum(stage(p, x_) ** 2)
+
+    p32, x32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (params, x))
+    got = grads(p32, x32, jnp.float32(0.9), jnp.int32(1))
+    with jax.enable_x64(True):
+        p64, x64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, x))
+        want = jax.tree.map(np.asarray, jax.grad(one_place, argnums=(0, 2))(p64, x64, 0.9))
+        magnitude = float(one_place(p64, x64, 0.9))
+    additions = rounding_chain(jax.grad(one_place, argnums=(0, 2)), p32, x32, jnp.float32(0.9)) + 8
+    assert_within_rounding(jax.tree.map(np.asarray, got), want, additions=additions, scale=magnitude,
+                           what="gradients")
+
+
 def _embed_stack_head(params, batch, weighted=False):
     """A loss with something before the stack (an embedding), a row mask the layers read, and a
     head after it: what 1F1B splits between stage 0's rows, the stages and the last stage.
