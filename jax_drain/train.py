@@ -238,16 +238,17 @@ class TrainConfig:
             last stage per micro-batch (the mean of the micro-batches' means, as with
             ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
             however many there are; the loss must not update model state. Both sum the stage's
-            gradients over the micro-batches in ``accum_dtype``. The
-            batch is split over ``axis`` and ``stage_axis`` both.
-            Each stage's layers are reduced over ``axis`` only, in their own chain; the other
-            parameters over both (where every parameter is in the stack, the smallest stacked
-            leaf stays whole on every stage and is one of those). Needs ``example_batch`` (the loss is traced to find the
-            stack). Tensor parallelism composes with it, hand-written (``param_specs``, the loss
-            does its own ``psum`` over the model axes) or GSPMD (declared shardings or
+            gradients over the micro-batches in ``accum_dtype``. The batch is split over
+            ``axis`` and ``stage_axis`` both. Each stage's layers are reduced over ``axis``
+            only, in their own chain; the other parameters over both (where every parameter is
+            in the stack, the smallest stacked leaf stays whole on every stage and is one of
+            those). Needs ``example_batch`` (the loss is traced to find the stack). Tensor
+            parallelism composes with it, hand-written (``param_specs``, the loss does its own
+            ``psum`` over the model axes) or GSPMD (declared shardings or
             ``tensor_parallel="gspmd"``: the loss on global shapes, XLA partitions each stage's
             layers over the model axes); a stacked leaf's layer axis is left to the stage axis.
-            With ``shard_params`` (ZeRO-3) each device holds its shard of its stage's layers. Per-layer model state the layers only read (running statistics in evaluation
+            With ``shard_params`` (ZeRO-3) each device holds its shard of its stage's layers.
+            Per-layer model state the layers only read (running statistics in evaluation
             mode, dropout keys) goes with its layers. Split leaves and error feedback work per
             stage's chain. ``microbatches=k`` runs the pipeline ``k`` times per step, each on
             ``1 / k`` of the batch, its gradients summed. Not yet with ``expert``,
