@@ -742,6 +742,35 @@ def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedu
     assert in_flight == {("gpipe", True): 1, ("1f1b", True): 1, ("1f1b", False): 3}
 
 
+@pytest.mark.gpu_compile
+def test_with_xla_s_tensor_parallel_each_stage_s_chain_holds_one_bucket_in_flight_on_the_gpu_schedule():
+    """Compile-only 8xH100, (data, stage, model) = (2, 2, 2), the scanned GPT's blocks split by
+    Megatron's rule and partitioned by XLA (``tensor_parallel="gspmd"``), XLA allowed 4
+    collectives in flight: the stage's layer chain keeps one bucket in flight drained, more
+    undrained; each of its buckets is one reduce."""
+    from jax_drain.planner.plan import plan
+    from jax_drain.planner.targets import gpu_mesh
+
+    config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=512, scan_layers=True)
+    params, batch = models.abstract_params(config), models.example_batch(config, 16)
+    in_flight = {}
+    for drain in (True, False):
+        step = jd.make_train_step(params, models.make_loss(config), optax.adamw(1e-4),
+                                  gpu_mesh((2, 2, 2), ("data", "stage", "model")),
+                                  jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, bucket_size=20_000,
+                                                 drain=drain, tensor_parallel="gspmd",
+                                                 param_specs=models.tensor_parallel_specs(params, "model")),
+                                  example_batch=batch)
+        layers = next(chain for chain in step.sync.chains if chain.axes == ("data",))
+        assert step.tensor_parallel == "gspmd" and layers.layout.num_buckets >= 3
+        report = plan(step, step.abstract_state(), batch,
+                      compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 4})
+        reduced = sorted(ref[1] for refs in report.collective_buckets for ref in refs if ref[0] == "expert")
+        assert reduced == list(range(layers.layout.num_buckets)), reduced
+        in_flight[drain] = report.chains_in_flight["expert"]
+    assert in_flight[True] == 1 and in_flight[False] > 1, in_flight
+
+
 def _tp_layer(h, w, model_axis):
     """A Megatron MLP block: ``up`` split by columns, ``down`` by rows, one sum over the model axis
     (none on one device, where the weights are whole)."""
