@@ -333,11 +333,11 @@ def test_feedback_sends_the_same_bytes_on_the_gpu_compiler():
 
 
 ZERO3_KINDS = ["gspmd", "gspmd_scanned", "scanned_outer", "tensor_parallel", "replica_data_model", "expert_parallel",
-               "tensor_parallel_scanned"]
+               "tensor_parallel_scanned", "gspmd_expert"]
 
 
 @pytest.mark.parametrize("kind", ["tensor_parallel", "gspmd", "replica_data_model", "expert_parallel", "scanned_outer",
-                                  "gspmd_scanned_outer", "tensor_parallel_scanned"]
+                                  "gspmd_scanned_outer", "tensor_parallel_scanned", "gspmd_expert"]
                          + [f"zero3:{k}" for k in ZERO3_KINDS])
 def test_feedback_on_every_mesh_kind_trains_like_optax_and_resumes_bit_for_bit(kind, cpu_devices, tmp_path):
     """int8 wire + error feedback on tensor-parallel, replica x data x model (micro-batches),

@@ -488,12 +488,14 @@ def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state(schedul
                                                     jax.tree.leaves(before.opt_state)))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_back_what_zero1_does(schedule):
+@pytest.mark.parametrize("schedule,model_axis", [("gpipe", False), ("1f1b", False), ("gpipe", True)])
+def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_back_what_zero1_does(schedule,
+                                                                                                  model_axis):
     """Each stage's chain carries its own residuals: over 30 SGD steps on (data, stage) = (2, 4),
-    in either schedule, an int8 wire with error feedback lands closer to the fp32-accumulated
-    step's parameters than without, and ZeRO-3 gives ZeRO-1's parameters and residuals bit for
-    bit (the same gradient, the same residual added to each bucket)."""
+    in either schedule, or on (data, stage, model) = (2, 2, 2) with the layers split over "model"
+    by XLA (``tensor_parallel="gspmd"``), an int8 wire with error feedback lands closer to the
+    fp32-accumulated step's parameters than without, and ZeRO-3 gives ZeRO-1's parameters and
+    residuals bit for bit (the same gradient, the same residual added to each bucket)."""
     rng = np.random.default_rng(4)
     params, _ = _problem(4)
     params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
@@ -503,7 +505,13 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
     def final(**options):
         config = dict(stage_axis="stage", pipeline_microbatches=4, pipeline_schedule=schedule, bucket_size=64,
                       reduce="int8_accum", error_feedback=True, donate=False) | options
-        step = jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), jd.TrainConfig(**config),
+        mesh = _mesh((2, 4))
+        if model_axis:
+            mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
+            config |= dict(tensor_parallel="gspmd", param_specs={
+                "layers": {"kernel": P(None, None, "model"), "bias": P(None, "model"), "scale": P(None, "model")},
+                "head": P()})
+        step = jd.make_train_step(params, _stack_loss, optax.sgd(0.1), mesh, jd.TrainConfig(**config),
                                   example_batch=batches[0])
         state = step.init()
         for batch in batches:
@@ -809,16 +817,23 @@ def _all_gather_groups(program: str) -> list[set[frozenset[int]]]:
     return found
 
 
-@pytest.mark.parametrize("tensor_parallel,shard_params,schedule", [
-    ("manual", False, "gpipe"), ("manual", True, "gpipe"), ("manual", False, "1f1b"), ("manual", True, "1f1b"),
-    ("gspmd", False, "gpipe"), ("declared", True, "gpipe"), ("gspmd", True, "1f1b"), ("declared", False, "1f1b")])
-def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_parallel, shard_params, schedule):
+#: Gradient accumulation and leaves split over buckets, with each tensor-parallel mode.
+ACCUMULATED = dict(microbatches=2, pipeline_microbatches=3, split_leaves=True, bucket_size=100)
+
+
+@pytest.mark.parametrize("tensor_parallel,shard_params,schedule,extra", [
+    ("manual", False, "gpipe", {}), ("manual", True, "gpipe", {}), ("manual", False, "1f1b", {}),
+    ("manual", True, "1f1b", {}), ("gspmd", False, "gpipe", {}), ("declared", True, "gpipe", {}),
+    ("gspmd", True, "1f1b", {}), ("declared", False, "1f1b", {}),
+    ("manual", True, "gpipe", ACCUMULATED), ("gspmd", False, "1f1b", ACCUMULATED)])
+def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_parallel, shard_params, schedule, extra):
     """(data, stage, model) = (2, 2, 2): the stack's blocks split over "model" (their layer axis
     left to the stage axis), ZeRO-1 and ZeRO-3, GPipe and 1F1B, against one-device SGD. The
     tensor parallelism hand-written (``param_specs``, the blocks' own psum over "model", which
     1F1B's branches hold), or GSPMD: the same blocks on global shapes, the specs given with
     ``tensor_parallel="gspmd"`` or declared on the parameters; XLA partitions each stage's
-    layers and gathers no weight over "model"."""
+    layers and gathers no weight over "model". ``extra``: gradient accumulation over two
+    pipeline runs, leaves split over buckets."""
     rng = np.random.default_rng(7)
     params = {"layers": {"up": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, 2 * WIDTH)) / 4, jnp.float32),
                          "down": jnp.asarray(rng.normal(size=(LAYERS, 2 * WIDTH, WIDTH)) / 6, jnp.float32)},
@@ -828,7 +843,7 @@ def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_paralle
     specs = {"layers": {"up": P(None, None, "model"), "down": P(None, "model", None)}, "head": P()}
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
     options = dict(stage_axis="stage", pipeline_microbatches=4, bucket_size=256, shard_params=shard_params,
-                   pipeline_schedule=schedule)
+                   pipeline_schedule=schedule) | extra
     given = params
     if tensor_parallel == "declared":
         given = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
@@ -849,8 +864,11 @@ def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_paralle
         state, metrics = step(state, batch)
     loss = _tp_loss(None)
     want, _, gradients = reference_run(loss, params, optax.sgd(0.05), batches)
-    additions = rounding_chain(jax.grad(loss), params, batches[0]) + 8 + 4
+    # The one-place chain, the 8 devices' and the pipeline's micro-batches' sums, and the
+    # accumulation's, if any.
+    additions = (rounding_chain(jax.grad(loss), params, batches[0]) + 8 + options["pipeline_microbatches"]
+                 + extra.get("microbatches", 0))
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.05, params=params)
     got = step.master_params(state) if shard_params else state.params
     assert_within(jax.device_get(got), want, bounds[-1],
-                  what=f"after {STEPS} steps ({tensor_parallel}, {shard_params=}, {schedule})")
+                  what=f"after {STEPS} steps ({tensor_parallel}, {shard_params=}, {schedule}, {extra})")

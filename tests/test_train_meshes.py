@@ -178,7 +178,7 @@ CASES = {
                               param_specs={**TP_SPECS, "experts": P("expert", None, "model")})),
     "gspmd_expert_zero3": Case(_expert_params, moe_loss, moe_reference_loss, ((2, 2, 2), ("data", "expert", "model")),
                                dict(axis=("data", "expert"), expert_axis="data", tensor_parallel="gspmd",
-                                    shard_params=True, expert=lambda path: path.startswith("experts"),
+                                    shard_params=True, microbatches=2, expert=lambda path: path.startswith("experts"),
                                     param_specs={**TP_SPECS, "experts": P("expert", None, "model")})),
     "gspmd": Case(_dense_params, dense_reference_loss, dense_reference_loss, ((4, 2), ("data", "model")),
                   dict(param_specs=TP_SPECS, tensor_parallel="gspmd")),
