@@ -59,28 +59,25 @@ def varying_axes(x: Any) -> frozenset:
 
 
 def aval_varying_axes(aval: Any) -> frozenset:
-    """:func:`varying_axes` of an abstract value (a traced jaxpr variable's ``aval``)."""
+    """:func:`varying_axes` of an abstract value: a traced jaxpr variable's ``aval``, or a
+    ``jax.eval_shape`` result."""
     vma = getattr(aval, "vma", None)
     if vma is None:
-        mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it in the manual-axis type
+        # jax >= 0.10 keeps it in the manual-axis type: ``mat`` on an aval, ``manual_axis_type``
+        # on a ``jax.ShapeDtypeStruct`` (a ``jax.eval_shape`` result).
+        mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
         vma = getattr(mat, "varying", None)
+    if vma is None and isinstance(aval, jax.ShapeDtypeStruct):
+        return frozenset()  # a struct made outside shard_map carries no manual-axis type
     if vma is None:
         raise _missing("varying-axis type on abstract values (aval.vma / aval.mat.varying)")
     return frozenset(vma)
 
 
-def struct_varying_axes(struct: Any) -> frozenset:
-    """:func:`varying_axes` of a ``jax.eval_shape`` result inside ``shard_map``."""
-    varying = getattr(struct, "vma", None)
-    if varying is None:
-        varying = getattr(getattr(struct, "manual_axis_type", None), "varying", None)
-    return frozenset(varying or ())
-
-
 def zeros_of(struct: Any) -> jax.Array:
     """Zeros of a ``jax.eval_shape`` result inside ``shard_map``, varying along the manual axes
     it varies along (so that, e.g., a ``lax.cond`` branch of zeros types like the other)."""
-    return mark_varying(jnp.zeros(struct.shape, struct.dtype), tuple(struct_varying_axes(struct)))
+    return mark_varying(jnp.zeros(struct.shape, struct.dtype), tuple(aval_varying_axes(struct)))
 
 
 def settle_carry(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, x: Any) -> Any:
@@ -88,7 +85,7 @@ def settle_carry(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, x: Any)
     body's new carry) varies along, so that the loop's carry keeps one type."""
     for _ in range(8):
         out = jax.eval_shape(body, init, x)[0]
-        settled = jax.tree.map(lambda a, s: mark_varying(a, tuple(struct_varying_axes(s))), init, out)
+        settled = jax.tree.map(lambda a, s: mark_varying(a, tuple(aval_varying_axes(s))), init, out)
         if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(settled), jax.tree.leaves(init))):
             return settled
         init = settled

@@ -88,8 +88,8 @@ def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
         stage_params: this stage's parameters (its local block inside ``shard_map``).
         inputs: every micro-batch; only stage 0 reads them.
         axis: the stage axis, manual in the enclosing ``shard_map``.
-        remat: keep only each tick's stage input for backward and recompute the stage
-            (``jax.checkpoint``); ``False`` keeps every activation of every tick.
+        remat: keep only each tick's stage input for backward and recompute the stage from
+            it there; ``False`` keeps every activation of every tick.
         side: ``[microbatches, ...]`` arrays every stage reads along with the micro-batch it
             works on (an attention mask of those rows, say); ``None``: none.
         accum_dtype: what the gradient w.r.t. ``stage_params`` (and what ``stage_fn`` closes
@@ -111,7 +111,7 @@ def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
     if side is not None and {x.shape[0] for x in jax.tree.leaves(side)} - {microbatches}:
         raise ValueError(f"gpipe: side inputs need the inputs' {microbatches} micro-batches as leading dimension")
     inputs = jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), inputs)
-    call = stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
+    call = _with_side(stage_fn, side)
     if remat:
         # The backward written out (_gpipe_remat): it recomputes each tick's stage from its
         # input and sums the parameters' gradient in the sum's dtype as it goes.
@@ -177,11 +177,11 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
         # Each differentiated as ``fn`` was traced: an input the same on every stage (a
         # closed-over constant) gets its gradient summed over the stage axis in each tick by
         # jax's transpose, as differentiating the forward loop does.
-        mine = (stage_params, consts)
+        wrt = (stage_params, consts)
         backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
         def pull(x: PyTree, m: jax.Array, cot_y: PyTree) -> tuple:
-            _, vjp = _vjp_inexact(lambda pc, x_, s_: apply(pc[0], x_, s_, pc[1]), mine, x, _at(side, m))
+            _, vjp = _vjp_inexact(lambda pc, x_, s_: apply(pc[0], x_, s_, pc[1]), wrt, x, _at(side, m))
             return vjp(cot_y)
 
         def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
@@ -196,26 +196,22 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
             # Every tick runs, as in the forward: a stand-in tick's input is real data and its
             # cotangent zero, so its parameter gradient is zero as it stands; its other results
             # are dropped. No branch, so XLA schedules (and prices) the loop as one body.
-            d_mine, dx, d_side = pull(_at(kept, t), at_m, cot_y)
+            d_wrt, dx, d_side = pull(_at(kept, t), at_m, cot_y)
             dx = jax.tree.map(lambda g: jnp.where(real, g, jnp.zeros_like(g)), dx)
-            sums = jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, d_mine)
+            sums = jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, d_wrt)
             input_grads = _keep(input_grads, at_m, real & (stage == 0), dx)
             side_grads = _keep(side_grads, at_m, real, jax.tree.map(jnp.add, _at(side_grads, at_m), d_side))
             cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward_pairs), dx)
             return (cot_in, sums, input_grads, side_grads), None
 
-        zeros = lambda tree, dtype=None: jax.tree.map(  # noqa: E731
-            lambda a: jnp.zeros(np.shape(a), dtype(a) if dtype else a.dtype), tree)
-        init = (zeros(_at(inputs, 0), lambda a: _sum_dtype(a, None)), zeros(mine, lambda a: _sum_dtype(a, accum_dtype)),
-                zeros(inputs, lambda a: _sum_dtype(a, None)), zeros(side, lambda a: _sum_dtype(a, None)))
+        init = (_sums(_at(inputs, 0), None), _sums(wrt, accum_dtype), _sums(inputs, None), _sums(side, None))
         ticks = jnp.arange(num_ticks(microbatches, stages))[::-1]
         init = _compat.settle_carry(tick, init, ticks[0])
         (_, sums, input_grads, side_grads), _ = jax.lax.scan(tick, init, ticks)
         # Each gradient in its input's dtype, summed over the stage axis where the input is the
         # same on every stage (a closed-over constant).
-        like = lambda g, x: _compat.mark_varying(  # noqa: E731
-            _transpose_cast(g.astype(x.dtype), x), tuple(_compat.varying_axes(x))) if _inexact(x) else None
-        d_params, d_consts = jax.tree.map(like, sums, (stage_params, consts))
+        like = lambda g, x: _typed_like(g, x) if _inexact(x) else None  # noqa: E731
+        d_params, d_consts = jax.tree.map(like, sums, wrt)
         return (d_params, d_consts, jax.tree.map(like, input_grads, inputs),
                 None if side is None else jax.tree.map(like, side_grads, side))
 
@@ -234,10 +230,31 @@ def _keep(buffer: PyTree, i: jax.Array, pred: jax.Array, value: PyTree) -> PyTre
         a, jnp.where(pred, v.astype(a.dtype), old), i, 0), buffer, value, _at(buffer, i))
 
 
+def _with_side(stage_fn: Callable[..., PyTree], side: PyTree) -> Callable[[PyTree, PyTree, PyTree], PyTree]:
+    """``stage_fn`` as ``(params, x, side_m)``: it takes ``side_m`` only where there is ``side``."""
+    return stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
+
+
+def _zeros_of_result(fn: Callable[..., Any], *args: Any) -> PyTree:
+    """Zeros shaped, typed and varying like ``fn(*args)``, which is not run."""
+    return jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))
+
+
+def _sums(tree: PyTree, accum_dtype: Any) -> PyTree:
+    """Zero sums for ``tree``'s gradients: in ``accum_dtype`` (a wider dtype stays), float32
+    where a leaf is not floating."""
+    return jax.tree.map(lambda a: jnp.zeros(np.shape(a), _sum_dtype(a, accum_dtype)), tree)
+
+
+def _typed_like(grad: jax.Array, like: Any) -> jax.Array:
+    """``grad`` as a cotangent of ``like``: in its dtype, summed over the manual axes ``like`` does
+    not vary along, and varying along those it does."""
+    return _compat.mark_varying(_transpose_cast(grad.astype(like.dtype), like), tuple(_compat.varying_axes(like)))
+
+
 def _when(pred: jax.Array, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` where ``pred``, else zeros of its result (``lax.cond``: only one runs)."""
-    zeros = lambda *_: jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))  # noqa: E731
-    return jax.lax.cond(pred, fn, zeros, *args)
+    return jax.lax.cond(pred, fn, lambda *_: _zeros_of_result(fn, *args), *args)
 
 
 class OneFOneB(NamedTuple):
@@ -312,7 +329,7 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     # Each stage differentiates its own copy of the parameters: the sum over the stage axis that
     # jax's transpose would insert stays out of the branches that only some stages take.
     stage_params, head_params = _vary_inexact((stage_params, head_params), axis)
-    call = stage_fn if side is not None else (lambda p, x, _: stage_fn(p, x))
+    call = _with_side(stage_fn, side)
     one = _at(inputs, 0)
 
     def stage_pull(x: PyTree, m: jax.Array, cot: PyTree) -> tuple:
@@ -322,8 +339,6 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     def head_pull(y: PyTree, m: jax.Array) -> tuple:
         (total, extra), pull = _vjp_inexact(lambda hp, y_: head(hp, y_, m), head_params, y, has_aux=True)
         return total, extra, *pull(jnp.ones_like(total))
-
-    zeros = lambda fn, *args: jax.tree.map(_compat.zeros_of, jax.eval_shape(fn, *args))  # noqa: E731
 
     forward = [(s, s + 1) for s in range(stages - 1)]
     backward = [(s + 1, s) for s in range(stages - 1)]
@@ -351,11 +366,9 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
         return (received, cot_in, stash, value, grads, head_grads, input_grads, side_grads), None
 
-    # Sums in accum_dtype (a wider dtype stays); stand-ins where a leaf has no gradient.
-    sums = lambda tree: jax.tree.map(lambda a: jnp.zeros(np.shape(a), _sum_dtype(a, accum_dtype)), tree)  # noqa: E731
-    value = zeros(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
+    value = _zeros_of_result(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
     init = vary((one, one, jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), one), value,
-                 sums(stage_params), sums(head_params), sums(inputs), sums(side)))
+                 *(_sums(tree, accum_dtype) for tree in (stage_params, head_params, inputs, side))))
     ticks = jnp.arange(microbatches + 2 * (stages - 1))
     carry, _ = jax.lax.scan(tick, _compat.settle_carry(tick, init, ticks[0]), ticks)
     _, _, _, value, grads, head_grads, input_grads, side_grads = carry
@@ -430,8 +443,7 @@ def _vjp_inexact(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> t
 
     def pull_all(cot: Any) -> tuple:
         flat = shape["tree"].flatten_up_to(cot)
-        grads = pull([_compat.mark_varying(_transpose_cast(c.astype(x.dtype), x), tuple(_compat.varying_axes(x)))
-                      for c, x, k in zip(flat, jax.tree.leaves(out), shape["keep"]) if k])
+        grads = pull([_typed_like(c, x) for c, x, k in zip(flat, jax.tree.leaves(out), shape["keep"]) if k])
         full = [jnp.zeros(np.shape(x), jnp.float32) for x in leaves]
         for k, g in zip(wrt, grads):
             full[k] = g
