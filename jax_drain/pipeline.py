@@ -39,8 +39,9 @@ from jax_drain.losses import WeightedLoss
 
 PyTree = Any
 
-#: The schedules a stage axis runs: :func:`gpipe` and :func:`one_f_one_b`.
-SCHEDULES = ("gpipe", "1f1b")
+#: The schedules a stage axis runs: :func:`gpipe`, and :func:`one_f_one_b` with Megatron's bound
+#: on the micro-batches a stage holds (``"1f1b"``) or in lock step (``"1f1b_lockstep"``).
+SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep")
 
 
 def num_ticks(microbatches: int, stages: int) -> int:
@@ -62,17 +63,85 @@ def bubble_fraction(microbatches: int, stages: int) -> float:
 
 def stage_inputs_held(microbatches: int, stages: int, schedule: str = "gpipe") -> int:
     """The most micro-batches' stage inputs a stage holds for its backward (the stage recomputed
-    from them): GPipe every tick's, ``microbatches + stages - 1``; 1F1B in lock step
-    ``min(microbatches, 2 * stages - 1)`` (stage 0; stage ``s`` holds ``2 * (stages - 1 - s) + 1``).
+    from them): GPipe every tick's, ``microbatches + stages - 1``; 1F1B ``min(microbatches,
+    stages)`` (stage 0; stage ``s`` holds ``stages - s``), Megatron's bound; 1F1B in lock step
+    ``min(microbatches, 2 * stages - 1)`` (stage ``s``: ``2 * (stages - 1 - s) + 1``).
 
     Example::
 
-        >>> stage_inputs_held(16, 4, "gpipe"), stage_inputs_held(16, 4, "1f1b")
-        (19, 7)
+        >>> [stage_inputs_held(16, 4, s) for s in ("gpipe", "1f1b", "1f1b_lockstep")]
+        [19, 4, 7]
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"stage_inputs_held: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    return num_ticks(microbatches, stages) if schedule == "gpipe" else min(microbatches, 2 * stages - 1)
+    if schedule == "gpipe":
+        return num_ticks(microbatches, stages)
+    return _OneFOneBTicks.of(microbatches, stages, lockstep=schedule == "1f1b_lockstep").slots
+
+
+def schedule_time(microbatches: int, stages: int, schedule: str = "gpipe", *, backward: float = 2.0) -> float:
+    """The stack's time in a step under ``schedule``, in units of one stage's forward on one
+    micro-batch, from its ticks: all stages start a tick together, so a tick lasts as long as
+    its slowest stage's work. A stage's backward costs ``backward`` forwards plus one to
+    recompute the forward from the stashed input (every schedule here recomputes). Communication
+    is taken as free; XLA's own estimate (:func:`jax_drain.plan` with a stage axis) prices the
+    GPipe loops, not the 1F1B schedules' branches.
+
+    With the defaults (a backward twice a forward, so 3 with the recompute) and ``S >= 2``:
+    GPipe ``M + S - 1`` ticks of forwards, then as many of backwards, ``4 (M + S - 1)``. Lock
+    step ``M + 2 (S - 1)`` ticks, ``S - 1`` of forwards alone, ``M`` of both and ``S - 1`` of
+    backwards alone: the same ``4 (M + S - 1)``. 1F1B (Megatron's bound) ``2 (M + S - 1)``
+    ticks: ``S`` of forwards alone, then a backward's each, ``6 M + 4 S - 6``; about 3/2 of the
+    others for many micro-batches, the price of holding ``S`` stage inputs instead of ``2 S - 1``.
+
+    Example::
+
+        >>> [schedule_time(16, 4, s) for s in ("gpipe", "1f1b", "1f1b_lockstep")]
+        [76.0, 106.0, 76.0]
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule_time: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    back = backward + 1.0
+    if schedule == "gpipe":
+        return num_ticks(microbatches, stages) * (1.0 + back)
+    ticks = _OneFOneBTicks.of(microbatches, stages, lockstep=schedule == "1f1b_lockstep")
+    return float(sum(max(ticks.forward(t, s)[1] * 1.0 + ticks.backward(t, s)[1] * back for s in range(stages))
+                     for t in range(ticks.ticks)))
+
+
+class _OneFOneBTicks(NamedTuple):
+    """When :func:`one_f_one_b` runs what: micro-batch ``m`` runs forward on stage ``s`` at tick
+    ``stride * m + s`` and backward at ``stride * m + turn - s``; a stage's inputs wait in
+    ``slots`` places between the two."""
+
+    microbatches: int
+    stride: int
+    turn: int
+    ticks: int
+    slots: int
+
+    @staticmethod
+    def of(microbatches: int, stages: int, *, lockstep: bool) -> "_OneFOneBTicks":
+        # Lock step: a forward and a backward per tick; the last stage turns a micro-batch around
+        # in the tick it ends its forward. Otherwise one or the other: a stage's forwards fall on
+        # ticks of one parity and its backwards on the other, the last stage's backward the tick
+        # after its forward, so stage 0 starts a micro-batch every other tick and holds ``stages``.
+        stride, turn = (1, 2 * (stages - 1)) if lockstep else (2, 2 * stages - 1)
+        return _OneFOneBTicks(microbatches, stride, turn, stride * (microbatches - 1) + turn + 1,
+                              min(microbatches, turn // stride + 1))
+
+    def forward(self, t: Any, stage: Any) -> tuple[Any, Any]:
+        """The micro-batch ``stage`` runs forward at tick ``t`` and whether it has one."""
+        return self._at(t - stage)
+
+    def backward(self, t: Any, stage: Any) -> tuple[Any, Any]:
+        """... backward."""
+        return self._at(t - self.turn + stage)
+
+    def _at(self, offset: Any) -> tuple[Any, Any]:
+        # Plain arithmetic: traced ticks in the schedule, Python ints in schedule_time.
+        m = offset // self.stride
+        return m, (offset >= 0) & (offset % self.stride == 0) & (m < self.microbatches)
 
 
 def gpipe(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree, *, axis: str,
@@ -275,20 +344,27 @@ class OneFOneB(NamedTuple):
 
 def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
                 head: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]], head_params: PyTree, *,
-                axis: str, side: PyTree = None, accum_dtype: Any = jnp.float32) -> OneFOneB:
-    """The 1F1B schedule in lock step, its gradients taken as it runs: forward and backward
-    interleaved, one micro-batch of each per tick, so that stage ``s`` holds at most
-    ``2 * (stages - 1 - s) + 1`` micro-batches' stage inputs (stage 0 the most, ``2 * stages -
-    1``, however many micro-batches), where differentiating :func:`gpipe` holds every tick's.
+                axis: str, side: PyTree = None, accum_dtype: Any = jnp.float32, lockstep: bool = False) -> OneFOneB:
+    """The 1F1B schedule, its gradients taken as it runs: each micro-batch's backward starts on
+    the last stage as soon as its forward ends there, and stage ``s`` holds at most ``stages - s``
+    micro-batches' stage inputs (Megatron's bound), where differentiating :func:`gpipe` holds
+    every tick's.
 
-    Micro-batch ``m`` runs forward on stage ``s`` at tick ``m + s``; the last stage applies
-    ``head`` to it at once and starts its backward in the same tick; stage ``s`` runs the
-    backward at tick ``m + 2 * (stages - 1) - s``, recomputing its layers from the stashed input
-    (as ``remat=True`` does). A stage skips (``lax.cond``) a forward or backward it has none for,
-    so that the ``microbatches + 2 * (stages - 1)`` ticks cost what GPipe's do: a tick costs a
-    forward only while some stage has one, a backward likewise. In one SPMD program every stage
-    runs every tick: a stage's backward waits for the next stage's, hop by hop, which is why
-    stage 0 holds twice the stages of micro-batches where an unsynchronised 1F1B holds ``stages``.
+    In one SPMD program the stages advance in ticks together, handing activations forward and
+    cotangents back with ``ppermute`` at the end of each. Each tick a stage runs one forward or
+    one backward: micro-batch ``m`` runs forward on stage ``s`` at tick ``2m + s`` and backward
+    at ``2m + 2 * stages - 1 - s``, recomputing the stage's layers from the stashed input (as
+    ``remat=True`` does). A stage's forwards and backwards fall on ticks of opposite parity, and
+    neighbouring stages are in opposite phases, so in the steady state every tick costs a
+    backward: ``2 * (microbatches + stages - 1)`` ticks of a backward each.
+
+    ``lockstep=True``: one forward *and* one backward per tick, on every stage at once
+    (``microbatches + 2 * (stages - 1)`` ticks of a forward and a backward): micro-batch ``m`` runs
+    forward on stage ``s`` at tick ``m + s`` and backward at ``m + 2 * (stages - 1) - s``, so stage
+    ``s`` holds ``2 * (stages - 1 - s) + 1`` (stage 0 ``2 * stages - 1``). With a backward twice a
+    forward plus the recompute, lock step takes about ``2/3`` of the time for many micro-batches,
+    what GPipe takes (:func:`schedule_time`), for ``stages - 1`` more stashed inputs. A stage skips
+    (``lax.cond``) a forward or backward it has none for, in either schedule.
 
     Args:
         stage_fn: ``stage_fn(stage_params, x)`` (with ``side``: ``stage_fn(stage_params, x,
@@ -304,6 +380,7 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         accum_dtype: what the gradients are summed in over the micro-batches (``None``: their own
             dtype, as differentiating :func:`gpipe` sums them; a float32 sum of bf16 gradients
             holds twice their bytes).
+        lockstep: run a forward and a backward each tick (above).
 
     Returns the :class:`OneFOneB` sums. Gradients are summed in ``accum_dtype`` and come back in their
     leaves' dtypes, each stage's own (varying along ``axis``: sum a parameter's over the stages
@@ -323,7 +400,7 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     (microbatches,) = sizes
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == stages - 1
-    slots = stage_inputs_held(microbatches, stages, "1f1b")
+    ticks = _OneFOneBTicks.of(microbatches, stages, lockstep=lockstep)
     vary = lambda tree: jax.tree.map(lambda x: _compat.mark_varying(x, (axis,)), tree)  # noqa: E731
     inputs, side = vary((inputs, side))
     # Each stage differentiates its own copy of the parameters: the sum over the stage axis that
@@ -344,34 +421,34 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     backward = [(s + 1, s) for s in range(stages - 1)]
 
     def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
-        received, cot_in, stash, value, grads, head_grads, input_grads, side_grads = carry
-        f = t - stage  # the micro-batch this stage runs forward, if any
-        fm = jnp.clip(f, 0, microbatches - 1)
-        has_f = (f >= 0) & (f < microbatches)
+        received, cot_in, turned, stash, value, grads, head_grads, input_grads, side_grads = carry
+        fm, has_f = ticks.forward(t, stage)
+        fm = jnp.clip(fm, 0, microbatches - 1)
         x = jax.tree.map(lambda a, b: jnp.where(first, a, b), _at(inputs, fm), received)
         y = _when(has_f, lambda x_, m: call(stage_params, x_, _at(side, m)), x, fm)
-        stash = _keep(stash, fm % slots, has_f, x)
+        stash = _keep(stash, fm % ticks.slots, has_f, x)
         total, extra, d_head, dy = _when(has_f & last, head_pull, y, fm)
         value = jax.tree.map(jnp.add, value, (total, extra))
-        b = t - 2 * (stages - 1) + stage  # the micro-batch this stage runs backward, if any
-        bm = jnp.clip(b, 0, microbatches - 1)
-        has_b = (b >= 0) & (b < microbatches)
-        cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), dy, cot_in)
-        d_stage, dx, d_side = _when(has_b, stage_pull, _at(stash, bm % slots), bm, cot)
+        # The last stage's cotangent waits here for its backward tick (this one, in lock step).
+        turned = jax.tree.map(lambda new, old: jnp.where(has_f & last, new, old), dy, turned)
+        bm, has_b = ticks.backward(t, stage)
+        bm = jnp.clip(bm, 0, microbatches - 1)
+        cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), turned, cot_in)
+        d_stage, dx, d_side = _when(has_b, stage_pull, _at(stash, bm % ticks.slots), bm, cot)
         acc = lambda a, g: a + g.astype(a.dtype)  # noqa: E731
         grads, head_grads = jax.tree.map(acc, grads, d_stage), jax.tree.map(acc, head_grads, d_head)
         input_grads = _keep(input_grads, bm, has_b & first, dx)
         side_grads = _keep(side_grads, bm, has_b, jax.tree.map(jnp.add, _at(side_grads, bm), d_side))
         received = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
         cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
-        return (received, cot_in, stash, value, grads, head_grads, input_grads, side_grads), None
+        return (received, cot_in, turned, stash, value, grads, head_grads, input_grads, side_grads), None
 
     value = _zeros_of_result(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
-    init = vary((one, one, jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype), one), value,
+    init = vary((one, one, one, jax.tree.map(lambda a: jnp.zeros((ticks.slots, *a.shape), a.dtype), one), value,
                  *(_sums(tree, accum_dtype) for tree in (stage_params, head_params, inputs, side))))
-    ticks = jnp.arange(microbatches + 2 * (stages - 1))
-    carry, _ = jax.lax.scan(tick, _compat.settle_carry(tick, init, ticks[0]), ticks)
-    _, _, _, value, grads, head_grads, input_grads, side_grads = carry
+    steps = jnp.arange(ticks.ticks)
+    carry, _ = jax.lax.scan(tick, _compat.settle_carry(tick, init, steps[0]), steps)
+    _, _, _, _, value, grads, head_grads, input_grads, side_grads = carry
     cast = lambda acc, like: jax.tree.map(  # noqa: E731
         lambda a, x: a.astype(x.dtype) if _inexact(x) else a, acc, like)
     return OneFOneB(value, cast(grads, stage_params), cast(head_grads, head_params), cast(input_grads, inputs),
@@ -470,7 +547,7 @@ def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *
         x: this device's rows; every device of the stage axis gives as many.
         axis: the stage axis, manual in the enclosing ``shard_map``.
         microbatches: micro-batches in flight; must divide ``S * batch``.
-        schedule: ``"gpipe"`` (the forward alone; ``"1f1b"`` is :func:`one_f_one_b`).
+        schedule: ``"gpipe"`` (the forward alone; the ``"1f1b"`` schedules are :func:`one_f_one_b`).
         remat: as for :func:`gpipe`.
         side: arrays of this device's rows (``[batch, ...]``, as ``x``) that every stage reads
             with the rows it works on, without passing them on (:func:`gpipe`).
@@ -478,7 +555,7 @@ def pipeline(stage_fn: Callable[..., PyTree], stage_params: PyTree, x: PyTree, *
     """
     if schedule != "gpipe":
         hint = (" (1F1B interleaves each micro-batch's backward with the forward, so it needs the loss: use "
-                "one_f_one_b or pipelined(..., schedule='1f1b'))" if schedule == "1f1b" else "")
+                "one_f_one_b or pipelined(..., schedule='1f1b'))" if schedule in SCHEDULES else "")
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; use 'gpipe'{hint}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
@@ -525,7 +602,7 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
 
     * ``"gpipe"`` (:func:`pipeline`): what runs before and after the stack runs on this
       device's rows, data parallel over ``axis`` too; the value is this device's loss.
-    * ``"1f1b"`` (:func:`one_f_one_b`): the loss after the stack runs on the last stage, one
+    * ``"1f1b"`` and ``"1f1b_lockstep"`` (:func:`one_f_one_b`, with ``lockstep``): the loss after the stack runs on the last stage, one
       micro-batch at a time, so that each micro-batch's backward starts as soon as its forward
       ends; what runs before the stack stays data parallel. ``loss_fn`` returns a scalar mean or
       a :class:`~jax_drain.WeightedLoss` (with ``has_state``, ``(that, state)``, the state
@@ -538,10 +615,10 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     Args:
         loss_fn: the model's loss, ``loss_fn(params, batch)``.
         stacked: a pytree of bools like ``params``: the leaves the layer scan iterates over.
-        axis, microbatches, remat: as for :func:`pipeline` (``"1f1b"`` always recomputes:
+        axis, microbatches, remat: as for :func:`pipeline` (the 1F1B schedules always recompute:
             ``remat=False`` is refused there).
-        schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
-        has_state: ``loss_fn`` returns ``(output, new_state)`` (``"1f1b"`` only needs it said).
+        schedule: one of :data:`SCHEDULES`.
+        has_state: ``loss_fn`` returns ``(output, new_state)`` (the 1F1B schedules only need it said).
         accum_dtype: what the stage's gradients are summed in over the micro-batches
             (:func:`gpipe`, :func:`one_f_one_b`; ``None``: their own dtype).
 
@@ -552,14 +629,15 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipelined: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if schedule == "1f1b" and not remat:
-        raise ValueError("pipelined: the 1f1b schedule recomputes each stage in its backward from the stashed stage "
+    if schedule != "gpipe" and not remat:
+        raise ValueError(f"pipelined: the {schedule} schedule recomputes each stage in its backward from the stashed stage "
                          "input (what bounds its stash); remat=False keeps every activation, which only 'gpipe' does")
 
     def wrapped(params: PyTree, batch: PyTree) -> Any:
-        traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=schedule == "1f1b")
-        if schedule == "1f1b":
-            return _one_f_one_b_loss(traced, has_state, accum_dtype)
+        one_f_one_b_ = schedule != "gpipe"
+        traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=one_f_one_b_)
+        if one_f_one_b_:
+            return _one_f_one_b_loss(traced, has_state, accum_dtype, lockstep=schedule == "1f1b_lockstep")
         rewriter = _StackRewriter(traced, lambda stack: pipeline(
             stack.stage_fn, stack.layers, stack.carry, axis=axis, microbatches=microbatches, remat=remat,
             side=stack.side or None, accum_dtype=accum_dtype))
@@ -666,8 +744,8 @@ class _Stack(NamedTuple):
     side: list  # loop-invariant inputs with a row per row
 
 
-def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any:
-    """The loss of :func:`pipelined` under :func:`one_f_one_b` (its ``"1f1b"`` schedule)."""
+def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any, *, lockstep: bool) -> Any:
+    """The loss of :func:`pipelined` under :func:`one_f_one_b` (its ``"1f1b"`` schedules)."""
     out, state = traced.out_shape if has_state else (traced.out_shape, None)
     weighted = isinstance(out, WeightedLoss)
     if not weighted and (not hasattr(out, "shape") or out.shape != () or not _inexact(out)):
@@ -733,7 +811,7 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any) -> Any
         result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, p[1]),
                              _vary_inexact((layers, constants), traced.axis), inputs, head_of(read),
                              [base[k] for k in read], axis=traced.axis, side=traced.split(side) if side else None,
-                             accum_dtype=accum_dtype)
+                             accum_dtype=accum_dtype, lockstep=lockstep)
         d_layers, d_constants = result.stage_grads
         d_side = traced.scatter(result.side_grads) if side else side
         (d_enter,) = enter_pull((d_layers, d_constants, traced.scatter(result.input_grads), d_side))

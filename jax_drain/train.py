@@ -236,8 +236,11 @@ class TrainConfig:
             together. ``"1f1b"`` (:func:`jax_drain.pipeline.one_f_one_b`): each micro-batch's
             backward starts as soon as its forward ends, the loss after the stack taken on the
             last stage per micro-batch (the mean of the micro-batches' means, as with
-            ``microbatches``), so a stage holds at most ``2 * stages - 1`` micro-batches' inputs
-            however many there are; the loss must not update model state. Both sum the stage's
+            ``microbatches``), so a stage holds at most ``stages`` micro-batches' inputs however
+            many there are (Megatron's bound), a tick running one forward or one backward per
+            stage; the loss must not update model state. ``"1f1b_lockstep"``: the same, a forward
+            and a backward every tick on every stage, about ``2/3`` of its time for up to
+            ``2 * stages - 1`` inputs held. All sum the stage's
             gradients over the micro-batches in ``accum_dtype``. The batch is split over
             ``axis`` and ``stage_axis`` both. Each stage's layers are reduced over ``axis``
             only, in their own chain; the other parameters over both (where every parameter is

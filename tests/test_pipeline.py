@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_drain as jd
@@ -179,14 +180,15 @@ def _embed_stack_head(params, batch, weighted=False):
     return jnp.mean(per_row) / 2
 
 
-@pytest.mark.parametrize("shape,microbatches,weighted", [((2, 4), 4, False), ((2, 4), 12, False), ((4, 2), 2, False),
-                                                         ((2, 4), 4, True)])
-def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shape, microbatches, weighted):
-    """pipelined(..., schedule="1f1b"): each micro-batch's head and backward run as soon as its
-    forward leaves the last stage; the loss summed over the devices and every gradient (the
-    embedding's, through the scattered input cotangents; the head's, from the last stage; the
-    layers', per stage) equal the one-place model's in float64 within the float32 rounding of
-    its gradient; a weighted loss's totals and counts add up."""
+@pytest.mark.parametrize("shape,microbatches,weighted,schedule", [
+    ((2, 4), 4, False, "1f1b"), ((2, 4), 12, False, "1f1b"), ((4, 2), 2, False, "1f1b"), ((2, 4), 4, True, "1f1b"),
+    ((2, 4), 12, False, "1f1b_lockstep"), ((4, 2), 6, True, "1f1b_lockstep")])
+def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shape, microbatches, weighted, schedule):
+    """pipelined(..., schedule="1f1b"), and in lock step: each micro-batch's head and backward
+    run as soon as its forward leaves the last stage; the loss summed over the devices and every
+    gradient (the embedding's, through the scattered input cotangents; the head's, from the last
+    stage; the layers', per stage) equal the one-place model's in float64 within the float32
+    rounding of its gradient; a weighted loss's totals and counts add up."""
     rng = np.random.default_rng(5)
     layers, x = _problem(5)
     params = {"layers": layers, "embed": rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH),
@@ -195,7 +197,7 @@ def test_one_f_one_b_gives_the_loss_and_gradients_of_the_model_in_one_place(shap
     stacked = {"layers": {k: True for k in layers}, "embed": False, "head": False}
     specs = {"layers": {k: P("stage") for k in layers}, "embed": P(), "head": P()}
     loss_fn = lambda p, b: _embed_stack_head(p, b, weighted)  # noqa: E731
-    piped = pp.pipelined(loss_fn, stacked, axis="stage", microbatches=microbatches, schedule="1f1b")
+    piped = pp.pipelined(loss_fn, stacked, axis="stage", microbatches=microbatches, schedule=schedule)
 
     @jax.jit
     @jax.shard_map(mesh=_mesh(shape), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), P(), specs))
@@ -287,7 +289,8 @@ def test_a_bf16_stage_s_gradient_is_summed_over_micro_batches_in_accum_dtype(sch
 
 def test_schedule_sizes_and_refusals():
     assert pp.num_ticks(8, 4) == 11 and pp.bubble_fraction(8, 4) == pytest.approx(3 / 11)
-    assert [pp.stage_inputs_held(m, 4, "1f1b") for m in (2, 7, 16)] == [2, 7, 7]
+    assert [pp.stage_inputs_held(m, 4, "1f1b") for m in (2, 7, 16)] == [2, 4, 4]
+    assert [pp.stage_inputs_held(m, 4, "1f1b_lockstep") for m in (2, 7, 16)] == [2, 7, 7]
     assert pp.stage_inputs_held(16, 4) == 19
     mesh = _mesh((2, 4))
     params, x = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), _problem())
@@ -305,6 +308,53 @@ def test_schedule_sizes_and_refusals():
                      remat=False)
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
         call(microbatches=0)
+
+
+def test_schedule_time_counts_each_tick_at_its_slowest_stage():
+    """The closed forms for S >= 2 stages, a backward 2 forwards plus 1 to recompute: GPipe and
+    lock step 4 (M + S - 1), Megatron's 1F1B 6 M + 4 S - 6 (its first S ticks forwards alone, a
+    backward's every tick after); one stage: a forward and a backward per micro-batch in each."""
+    for microbatches, stages in ((2, 2), (8, 2), (8, 4), (16, 4), (5, 3)):
+        gpipe = 4 * (microbatches + stages - 1)
+        assert pp.schedule_time(microbatches, stages) == gpipe
+        assert pp.schedule_time(microbatches, stages, "1f1b_lockstep") == gpipe
+        assert pp.schedule_time(microbatches, stages, "1f1b") == 6 * microbatches + 4 * stages - 6
+    assert [pp.schedule_time(8, 1, s) for s in pp.SCHEDULES] == [32.0] * 3
+    assert pp.schedule_time(8, 2, "1f1b", backward=1.0) == 2 + 2 * (2 * 8 + 2 - 2)  # S ticks of 1, then 2 each
+    with pytest.raises(ValueError, match="unknown schedule 'interleaved'"):
+        pp.schedule_time(8, 2, "interleaved")
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_one_f_one_b_stashes_at_most_stages_micro_batches(lockstep):
+    """The traced schedule on 4 stages with 16 micro-batches: its loop carries a stash of 4 stage
+    inputs (Megatron's bound; in lock step 7), and runs 2 * (16 + 4 - 1) ticks of one forward or
+    one backward (in lock step 16 + 2 * 3 of both). With the gradients equal to the model's
+    (above), a stash that small shows each backward found its input before a later forward
+    overwrote it."""
+    stages, microbatches, width = 4, 16, 8
+    mesh = Mesh(np.array(jax.devices("cpu")[:stages]), ("stage",))
+    head = lambda hp, y, m: (jnp.sum(y * hp), ())  # noqa: E731
+
+    def run(p, x):
+        return pp.one_f_one_b(lambda w, h: jnp.tanh(h * w[0]), p, x, head, jnp.float32(1), axis="stage",
+                              lockstep=lockstep).stage_grads
+
+    jaxpr = jax.make_jaxpr(jax.shard_map(run, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P("stage")))(
+        jnp.ones((stages, width)), jnp.ones((microbatches, 2, width)))
+    (loop,) = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    # The carry's per-micro-batch buffers: the stash, and stage 0's input cotangents (all 16).
+    held = sorted(v.aval.shape[0] for v in loop.outvars if v.aval.shape[1:] == (2, width))
+    assert held == [7 if lockstep else 4, microbatches]
+    assert held[0] == pp.stage_inputs_held(microbatches, stages, "1f1b_lockstep" if lockstep else "1f1b")
+    assert loop.params["length"] == (microbatches + 2 * (stages - 1) if lockstep else 2 * (microbatches + stages - 1))
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
 
 
 # -- a model's own layer scan, piped -------------------------------------------------------------
@@ -421,12 +471,13 @@ def _gpt_step(shape, microbatches, batch, shard_params=False, split_leaves=False
 
 @pytest.mark.parametrize("shape,microbatches,shard_params,split_leaves,schedule,accumulate", [
     ((2, 4), 8, False, False, "gpipe", 1), ((4, 2), 4, True, False, "gpipe", 1), ((2, 4), 4, False, True, "1f1b", 1),
-    ((4, 2), 2, True, True, "1f1b", 1), ((2, 4), 8, True, False, "1f1b", 1), ((2, 4), 4, False, False, "1f1b", 2),
+    ((4, 2), 2, True, True, "1f1b", 1), ((2, 4), 8, True, False, "1f1b_lockstep", 1),
+    ((2, 4), 4, False, False, "1f1b", 2),
     ((4, 2), 2, True, False, "gpipe", 2)])
 def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, microbatches, shard_params,
                                                                         split_leaves, schedule, accumulate, tmp_path):
     """An nnx scanned GPT, unchanged, with TrainConfig(stage_axis="stage"), ZeRO-1 and ZeRO-3,
-    whole leaves or leaves split over buckets, GPipe and 1F1B, with gradient accumulation
+    whole leaves or leaves split over buckets, GPipe and 1F1B (also in lock step), with gradient accumulation
     (``microbatches``) or without: each device holds its stage's layers (with ZeRO-3, its shard
     of them), and SGD with momentum follows one-device optax on whole batches within the
     rounding of its gradients (the one-place step's chain, plus the 8 devices and the
