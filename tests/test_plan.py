@@ -397,17 +397,21 @@ def test_pipeline_stage_strategy_names():
     s = plan.Strategy.parse("zero3+drain+pp4")
     assert (s.stages, s.zero3, s.max_in_flight) == (4, True, 1)
     assert plan.Strategy.parse("fp32_accum+drain").stages == 1
-    assert (plan.Strategy.parse("zero3+drain+pp4").schedule, plan.Strategy.parse("bf16+pp2+1f1b").schedule) == (
-        "gpipe", "1f1b")
+    assert [plan.Strategy.parse(name).schedule for name in ("zero3+drain+pp4", "bf16+pp2+1f1b",
+                                                             "bf16+pp2+1f1b_lockstep")] == ["gpipe", "1f1b",
+                                                                                            "1f1b_lockstep"]
     for bad in ("fp32_accum+pp1", "fp32_accum+pp2+pp4"):
         with pytest.raises(ValueError, match=r"at most one \+ppN, N >= 2"):
             plan.Strategy.parse(bad)
     with pytest.raises(ValueError, match=r"\+1f1b .* needs \+ppN"):
         plan.Strategy.parse("fp32_accum+drain+1f1b")
+    with pytest.raises(ValueError, match="give one schedule"):
+        plan.Strategy.parse("fp32_accum+pp2+1f1b+1f1b_lockstep")
     # The suffix reaches the step the planner compiles.
     config = plan.preset_config("tiny", layers=2, d_model=64, scan_layers=True)
     mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
-    for name, schedule in (("fp32_accum+drain+pp2", "gpipe"), ("fp32_accum+drain+pp2+1f1b", "1f1b")):
+    for name, schedule in (("fp32_accum+drain+pp2", "gpipe"), ("fp32_accum+drain+pp2+1f1b_lockstep",
+                                                                "1f1b_lockstep")):
         step, _, _ = plan._staged_step(plan.Strategy.parse(name), plan.models.make_loss(config),
                                        plan.models.abstract_params(config), plan.models.example_batch(config, 16),
                                        mesh, "data", None, None, "manual")

@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", action="append", metavar="NAME[,NAME...]",
                    help="repeat or separate with commas: gspmd, gspmd+flags, gspmd_fsdp, no_comm, MODE, MODE+drain, "
                    f"MODE+drainK, MODE+drain+split, with +zero3, +blocks, +noreshard or +ppN (N pipeline stages; "
-                   f"+1f1b for that schedule) after (MODE: {', '.join(REDUCE_MODES)}). Default: "
+                   f"+1f1b or +1f1b_lockstep for that schedule) after (MODE: {', '.join(REDUCE_MODES)}). Default: "
                    f"fp32_accum+drain for a preset, {', '.join(DEFAULT_STRATEGIES)} for --loss")
     p.add_argument("--target", default="h100", help="GPU target: h100, h200, a100")
     p.add_argument("--topology", default="1x1x8", help="SLICESxHOSTSxGPUS, e.g. 1x1x8 or 1x2x8")

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_drain import _compat, models, zero3
+from jax_drain import _compat, models, pipeline, zero3
 from jax_drain.collectives import REDUCE_MODES
 from jax_drain.drain import sequenced_map
 from jax_drain.chain import ChainedSync
@@ -102,8 +102,8 @@ class Strategy:
     bucket gathered once and kept from forward to backward
     (``TrainConfig(reshard_after_forward=False)``). ``stages``: the ``+ppN`` suffix, the data
     devices split into ``N`` pipeline stages (``TrainConfig(stage_axis="stage")``), in the GPipe
-    schedule or, with a ``+1f1b`` suffix too, 1F1B (``schedule``,
-    ``TrainConfig(pipeline_schedule=...)``).
+    schedule or, with a ``+1f1b`` suffix too, 1F1B (``+1f1b_lockstep``: in lock step)
+    (``schedule``, ``TrainConfig(pipeline_schedule=...)``).
     """
 
     name: str
@@ -135,14 +135,17 @@ class Strategy:
         stages = int(piped[-1][2:]) if piped else 1
         if len(piped) > 1 or (piped and stages < 2):
             raise ValueError(f"strategy {name!r}: give at most one +ppN, N >= 2 pipeline stages (e.g. '+pp2')")
-        schedule = "1f1b" if "1f1b" in flags else "gpipe"
-        if schedule == "1f1b" and not piped:
-            raise ValueError(f"strategy {name!r}: +1f1b is the schedule of a stage axis; it needs +ppN too "
-                             "(e.g. 'fp32_accum+drain+pp2+1f1b')")
+        schedules = [f for f in flags if f in pipeline.SCHEDULES[1:]]
+        schedule = schedules[-1] if schedules else "gpipe"
+        if len(schedules) > 1:
+            raise ValueError(f"strategy {name!r}: give one schedule, +1f1b or +1f1b_lockstep")
+        if schedules and not piped:
+            raise ValueError(f"strategy {name!r}: +{schedule} is the schedule of a stage axis; it needs +ppN too "
+                             f"(e.g. 'fp32_accum+drain+pp2+{schedule}')")
         if not reshard and not zero3:
             raise ValueError(f"strategy {name!r}: +noreshard keeps ZeRO-3's gathered buckets from forward to "
                              "backward; it needs +zero3 (e.g. 'zero3+drain+noreshard')")
-        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard", "1f1b", *piped)]
+        flags = [f for f in flags if f not in ("zero3", "blocks", "noreshard", *schedules, *piped)]
         mode = "fp32_accum" if mode == "zero3" else mode
         split = bool(flags) and flags[-1] == "split"
         flags = flags[:-1] if split else flags
@@ -153,8 +156,8 @@ class Strategy:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
             return cls(name, mode, depth, split, zero3, blocks, reshard, stages, schedule)
         known = (list(BASELINES)
-                 + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN[+1f1b]]" for m in REDUCE_MODES]
-                 + ["zero3[+drain[K]][+blocks][+noreshard][+ppN[+1f1b]]"])
+                 + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN[+1f1b[_lockstep]]]" for m in REDUCE_MODES]
+                 + ["zero3[+drain[K]][+blocks][+noreshard][+ppN[+1f1b[_lockstep]]]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
 
