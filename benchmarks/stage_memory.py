@@ -5,7 +5,7 @@ Compiles the whole AdamW train step of ``gpt-blocks-scan`` (8 blocks, d_model 20
 sequences of 512 tokens per device) for compile-only H100s:
 
 * ``jd.make_train_step``, data parallel (the in-scan sync, and whole-leaf buckets) and with
-  ``TrainConfig(stage_axis="stage")`` (GPipe and 1F1B, ZeRO-1 and ZeRO-3);
+  ``TrainConfig(stage_axis="stage")`` (GPipe and 1F1B, also in lock step, ZeRO-1 and ZeRO-3);
 * the GSPMD baseline: ``jax.jit`` of a loss whose stack runs as MaxText's pipeline runs it (the
   layers reshaped ``[stages, layers per stage, ...]`` and sharded over ``stage``, each tick a
   ``vmap`` of the stage over the stages and a shift of the stage inputs, XLA placing the
@@ -15,8 +15,9 @@ sequences of 512 tokens per device) for compile-only H100s:
 on one host (8 GPUs) and two (``1x2x8``, the stage axis between the hosts), and prints XLA's
 temp and argument bytes per device, the micro-batches' stage inputs each stage holds for
 backward at most (the schedule's), the stage-to-stage sends (collective-permutes) in the program,
-the schedule's bubble, how many of the gradient sync's collectives overlap compute, and XLA's
-predicted step where its estimator prices one.
+the schedule's bubble and time (:func:`jax_drain.pipeline.schedule_time`), how many of the
+gradient sync's collectives overlap compute, and XLA's predicted step where its estimator prices
+one.
 
     python benchmarks/stage_memory.py --out benchmarks/results     # stage_memory.{md,json}, about 3 min
 """
@@ -58,6 +59,8 @@ LAYOUTS = (
      dict(pipeline_microbatches=8, pipeline_schedule="1f1b")),
     ("data 4 x stage 2, 8 micro-batches, 1F1B, bf16 sums", ONE_HOST, (4, 2), ("data", "stage"),
      dict(pipeline_microbatches=8, pipeline_schedule="1f1b", accum_dtype=None)),
+    ("data 4 x stage 2, 8 micro-batches, 1F1B in lock step", ONE_HOST, (4, 2), ("data", "stage"),
+     dict(pipeline_microbatches=8, pipeline_schedule="1f1b_lockstep")),
     ("data 4 x stage 2, GSPMD circular", ONE_HOST, (4, 2), ("data", "stage"), "gspmd_circular"),
     ("data 2 x stage 4, 8 micro-batches", ONE_HOST, (2, 4), ("data", "stage"), dict(pipeline_microbatches=8)),
     ("data 2 x stage 4, 8 micro-batches, ZeRO-3", ONE_HOST, (2, 4), ("data", "stage"),
@@ -73,6 +76,8 @@ LAYOUTS = (
      dict(pipeline_microbatches=16, pipeline_schedule="1f1b")),
     ("data 2 x stage 4, 16 micro-batches, 1F1B, bf16 sums", ONE_HOST, (2, 4), ("data", "stage"),
      dict(pipeline_microbatches=16, pipeline_schedule="1f1b", accum_dtype=None)),
+    ("data 2 x stage 4, 16 micro-batches, 1F1B in lock step", ONE_HOST, (2, 4), ("data", "stage"),
+     dict(pipeline_microbatches=16, pipeline_schedule="1f1b_lockstep")),
     ("data 2 x stage 4, GSPMD circular", ONE_HOST, (2, 4), ("data", "stage"), "gspmd_circular"),
     ("2 hosts: data 16, in-scan sync", TWO_HOSTS, (16,), ("data",), dict(scan_layers=True)),
     ("2 hosts: stage 2 (the hosts) x data 8", TWO_HOSTS, (2, 8), ("stage", "data"), dict(pipeline_microbatches=8)),
@@ -169,6 +174,9 @@ def measure(label: str, topology: str, shape: tuple[int, ...], axes: tuple[str, 
             "bubble": None if micro is None else pipeline.bubble_fraction(micro, stages),
             "stage_inputs_held": None if micro is None or how == "gspmd_circular" else pipeline.stage_inputs_held(
                 micro, stages, fields.get("pipeline_schedule", "gpipe")),
+            # The circular pipeline's ticks are GPipe's: its stack takes GPipe's time.
+            "stack_time_forwards": None if micro is None else pipeline.schedule_time(
+                micro, stages, fields.get("pipeline_schedule", "gpipe")),
             "predicted_step_s": None if timing is None else timing.step_s,
             "exposed_comm_s": None if timing is None else timing.exposed_comm_s,
             "unpriced": [] if timing is None else list(timing.unpriced),
@@ -192,17 +200,18 @@ def overlapped_by_chain(report) -> dict[str, list[int]]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | temp MiB | arguments MiB | stage inputs held | stage sends | bubble | buckets' reduces "
-             "overlapped | predicted step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| layout | temp MiB | arguments MiB | stage inputs held | stage sends | bubble | stack time "
+             "(forwards) | buckets' reduces overlapped | predicted step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.0f}%"
         held = "-" if r["stage_inputs_held"] is None else str(r["stage_inputs_held"])
         overlap = "-" if r["sync_overlapped_by_chain"] is None else ", ".join(
             f"{name} {done}/{total}" for name, (done, total) in sorted(r["sync_overlapped_by_chain"].items()))
         step = "-" if r["predicted_step_s"] is None else f"{1e3 * r['predicted_step_s']:.1f} ms"
+        stack = "-" if r["stack_time_forwards"] is None else f"{r['stack_time_forwards']:.0f}"
         lines.append(f"| {r['layout']} | {r['temp_bytes'] / 2**20:,.0f} | {r['argument_bytes'] / 2**20:,.0f} | "
-                     f"{held} | {r['collective_permutes']} | {bubble} | {overlap} | {step} |")
+                     f"{held} | {r['collective_permutes']} | {bubble} | {stack} | {overlap} | {step} |")
     return "\n".join(lines)
 
 
@@ -218,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# A stage axis: the train step's memory (`python benchmarks/stage_memory.py`)\n\n"
             f"Compile-only {args.target.upper()}s (one host of 8, or two), `{PRESET}`, {SEQUENCES} sequences per "
             "device, AdamW; bytes per device from XLA's buffer assignment; buckets' reduces overlapped: per bucket "
-            "chain, the reduces that overlap compute on the schedule; predicted step: XLA's estimator, `-` where it "
-            "prices no loop of the step\n\n" + table(rows) + "\n")
+            "chain, the reduces that overlap compute on the schedule; stack time: the schedule's ticks, each as long "
+            "as its slowest stage, in one stage's forwards on a micro-batch (`jax_drain.pipeline.schedule_time`: a "
+            "backward 2, plus 1 to recompute); predicted step: XLA's estimator, `-` where it prices no loop of the "
+            "step\n\n" + table(rows) + "\n")
     print(text)
     if args.out:
         out = pathlib.Path(args.out)
