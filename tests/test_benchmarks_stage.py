@@ -1,5 +1,6 @@
-"""benchmarks/stage_memory.py: the GSPMD circular pipeline it measures jax_drain's stage axis
-against computes the model's own loss and update (else the comparison would mean nothing)."""
+"""The stage axis's benchmarks compare like with like (else their tables would mean nothing):
+benchmarks/stage_memory.py's GSPMD circular pipeline computes the model's own loss and update,
+and benchmarks/stage_reduce_placement.py's placements reduce the same gradient."""
 
 import jax
 import jax.numpy as jnp
@@ -32,3 +33,32 @@ def test_the_gspmd_circular_pipeline_gives_the_model_s_loss_and_update():
     want = jax.tree.map(lambda p, g: np.asarray(p) - np.asarray(g), params, grads)
     bounds = sgd_rounding_bounds([grads], additions=additions, learning_rate=1.0, params=params)
     assert_within(jax.device_get(new_params), want, bounds[-1], what="the updated parameters")
+
+
+def test_the_reduce_placements_reduce_the_same_gradient():
+    """benchmarks/stage_reduce_placement.py prices three placements of one computation. On 8 CPU
+    devices as (data, stage, model) = (2, 2, 2), on random bf16 weights and rows: reducing under
+    the per-stage condition sends the same float32 sums as after the flush, so its shards are
+    equal bit for bit; with one micro-batch, reducing every tick's gradient sends that one
+    micro-batch's gradient (the other ticks' zeros add nothing), equal bit for bit too. The
+    tail (stage 0's input cotangents through a matmul) does not depend on the placement."""
+    bench = load_benchmark("stage_reduce_placement")
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
+    dims = dict(d_model=16, layers=4, rows=8, vocab=32)
+
+    def run(placement, microbatches):  # the same random inputs for every placement
+        step, args = bench.step_of(placement, mesh, microbatches=microbatches, **dims)
+        leaves, tree = jax.tree.flatten(args)
+        values = [jax.device_put(jnp.asarray(np.random.default_rng(k).normal(size=a.shape) / 4, jnp.bfloat16),
+                                 a.sharding) for k, a in enumerate(leaves)]
+        return jax.tree.map(np.asarray, step(*jax.tree.unflatten(tree, values)))
+
+    for microbatches in (4, 1):
+        flushed, tail = run("after the flush", microbatches)
+        assert np.abs(flushed).max() > 0 and np.isfinite(flushed).all()
+        conditioned, tail_c = run("per-stage condition", microbatches)
+        np.testing.assert_array_equal(conditioned, flushed)
+        np.testing.assert_array_equal(tail_c, tail)
+    ticked, tail_t = run("per tick, masked", 1)
+    np.testing.assert_array_equal(ticked, flushed)
+    np.testing.assert_array_equal(tail_t, tail)
