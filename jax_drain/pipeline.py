@@ -344,7 +344,8 @@ class OneFOneB(NamedTuple):
 
 def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: PyTree,
                 head: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]], head_params: PyTree, *,
-                axis: str, side: PyTree = None, accum_dtype: Any = jnp.float32, lockstep: bool = False) -> OneFOneB:
+                axis: str, side: PyTree = None, accum_dtype: Any = jnp.float32,
+                lockstep: bool = False) -> OneFOneB:
     """The 1F1B schedule, its gradients taken as it runs: each micro-batch's backward starts on
     the last stage as soon as its forward ends there, and stage ``s`` holds at most ``stages - s``
     micro-batches' stage inputs (Megatron's bound), where differentiating :func:`gpipe` holds
@@ -362,9 +363,9 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
     (``microbatches + 2 * (stages - 1)`` ticks of a forward and a backward): micro-batch ``m`` runs
     forward on stage ``s`` at tick ``m + s`` and backward at ``m + 2 * (stages - 1) - s``, so stage
     ``s`` holds ``2 * (stages - 1 - s) + 1`` (stage 0 ``2 * stages - 1``). With a backward twice a
-    forward plus the recompute, lock step takes about ``2/3`` of the time for many micro-batches,
-    what GPipe takes (:func:`schedule_time`), for ``stages - 1`` more stashed inputs. A stage skips
-    (``lax.cond``) a forward or backward it has none for, in either schedule.
+    forward plus the recompute, lock step takes GPipe's time, about ``2/3`` of the bound's for
+    many micro-batches (:func:`schedule_time`), for ``stages - 1`` more stashed inputs. A stage
+    skips (``lax.cond``) a forward or backward it has none for, in either schedule.
 
     Args:
         stage_fn: ``stage_fn(stage_params, x)`` (with ``side``: ``stage_fn(stage_params, x,
@@ -602,9 +603,10 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
 
     * ``"gpipe"`` (:func:`pipeline`): what runs before and after the stack runs on this
       device's rows, data parallel over ``axis`` too; the value is this device's loss.
-    * ``"1f1b"`` and ``"1f1b_lockstep"`` (:func:`one_f_one_b`, with ``lockstep``): the loss after the stack runs on the last stage, one
-      micro-batch at a time, so that each micro-batch's backward starts as soon as its forward
-      ends; what runs before the stack stays data parallel. ``loss_fn`` returns a scalar mean or
+    * ``"1f1b"`` and ``"1f1b_lockstep"`` (:func:`one_f_one_b`, with ``lockstep``): the loss
+      after the stack runs on the last stage, one micro-batch at a time, so that each
+      micro-batch's backward starts as soon as its forward ends; what runs before the stack
+      stays data parallel. ``loss_fn`` returns a scalar mean or
       a :class:`~jax_drain.WeightedLoss` (with ``has_state``, ``(that, state)``, the state
       handed back unchanged); the loss of the stage axis's rows is the micro-batches' (a mean:
       the mean of their means, as for ``TrainConfig(microbatches=...)``). It lands on the last
@@ -630,8 +632,9 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
     if schedule not in SCHEDULES:
         raise ValueError(f"pipelined: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if schedule != "gpipe" and not remat:
-        raise ValueError(f"pipelined: the {schedule} schedule recomputes each stage in its backward from the stashed stage "
-                         "input (what bounds its stash); remat=False keeps every activation, which only 'gpipe' does")
+        raise ValueError(f"pipelined: the {schedule} schedule recomputes each stage in its backward from the "
+                         "stashed stage input (what bounds its stash); remat=False keeps every activation, which "
+                         "only 'gpipe' does")
 
     def wrapped(params: PyTree, batch: PyTree) -> Any:
         one_f_one_b_ = schedule != "gpipe"

@@ -156,7 +156,8 @@ class Strategy:
                 raise ValueError(f"strategy {name!r}: the drain depth must be >= 1")
             return cls(name, mode, depth, split, zero3, blocks, reshard, stages, schedule)
         known = (list(BASELINES)
-                 + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN[+1f1b[_lockstep]]]" for m in REDUCE_MODES]
+                 + [f"{m}[+drain[K]][+split][+zero3[+noreshard]][+blocks][+ppN[+1f1b[_lockstep]]]"
+                    for m in REDUCE_MODES]
                  + ["zero3[+drain[K]][+blocks][+noreshard][+ppN[+1f1b[_lockstep]]]"])
         raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(known)}")
 
