@@ -635,7 +635,9 @@ class TrainStep:
                 if self._tx_check is not None:
                     # The first compile, on its own, while the tx check is prepared: the call
                     # below reuses it, and a refused tx raises before the state is donated.
-                    self._jitted.lower(state, batch).compile()
+                    lowered = self._jitted.lower(state, batch)
+                    self._tx_check.start()  # its tracing beside XLA's compile, not the step's
+                    lowered.compile()
             self._wait_tx_check()
             return self._jitted(state, batch)
 
@@ -645,6 +647,8 @@ class TrainStep:
         with self._tx_explains():
             if self.optimizer is None:
                 self._build(batch)
+            if self._tx_check is not None:
+                self._tx_check.start()
             self._check_state_fast(state)
             lowered = self._jitted.lower(state, self._check_batch(batch))
         self._wait_tx_check()
@@ -800,8 +804,10 @@ class TrainStep:
     def _build(self, batch: PyTree) -> None:
         """The sync, optimizer and jitted step, with the bucket order traced on ``batch``."""
         batch = self._check_batch(batch)
-        # tx's check is prepared on a thread, from here on: its tracing and compiles overlap the
-        # compiles of init and of the first step; it runs when the first step waits for it.
+        # tx's check is prepared on a thread once the first step is traced: its tracing and
+        # compiles overlap XLA's compile of the step (the traces would contend for the
+        # interpreter); it runs when the first step waits for it, and at once where an error
+        # raised before then needs its explanation.
         check = per_parameter_check if self.ownership == "param" else self._element_wise_check
         self._tx_check = _Background(check, self.tx, self._abstract_params)
         try:
@@ -1567,10 +1573,11 @@ def _describe(value: Any) -> str:
 
 
 class _Background:
-    """Prepares a check on a thread of its own: ``prepare(*args)`` returns the check to finish
-    with (a call that compiles and runs it). :meth:`wait` joins the thread, raises what
-    it raised, then finishes the check on the waiting thread: preparing runs nothing on a
-    device, so nothing the caller runs beside it meets a program of this thread's.
+    """Prepares a check on a thread of its own, from :meth:`start`: ``prepare(*args)`` returns
+    the check to finish with (a call that compiles and runs it). :meth:`wait` starts it if need
+    be, joins the thread, raises what it raised, then finishes the check on the waiting thread:
+    preparing runs nothing on a device, so nothing the caller runs beside it meets a program of
+    this thread's.
 
     Not a daemon: an interpreter that exits first waits for it rather than tearing the JAX
     runtime down under it."""
@@ -1580,7 +1587,15 @@ class _Background:
         self._finish: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, args=(prepare, args),
                                         name=f"jax_drain {getattr(prepare, '__name__', 'check')}")
-        self._thread.start()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Starts preparing (once; :meth:`wait` starts it too)."""
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._thread.start()
 
     def _run(self, prepare: Callable[..., Callable[[], None]], args: tuple) -> None:
         try:
@@ -1589,10 +1604,12 @@ class _Background:
             self._error = e
 
     def join(self) -> None:
-        """Waits for the preparation to end, raising nothing and finishing nothing."""
-        self._thread.join()
+        """Waits for a started preparation to end, raising nothing and finishing nothing."""
+        if self._started:
+            self._thread.join()
 
     def wait(self) -> None:
+        self.start()
         self._thread.join()
         if self._error is not None:
             raise self._error
