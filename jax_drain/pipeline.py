@@ -430,11 +430,13 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         stash = _keep(stash, fm % ticks.slots, has_f, x)
         total, extra, d_head, dy = _when(has_f & last, head_pull, y, fm)
         value = jax.tree.map(jnp.add, value, (total, extra))
-        # The last stage's cotangent waits here for its backward tick (this one, in lock step).
-        turned = jax.tree.map(lambda new, old: jnp.where(has_f & last, new, old), dy, turned)
+        # The last stage's cotangent waits in the carry for its backward tick, the next one (in
+        # lock step this one: nothing waits).
+        pending = dy if lockstep else jax.tree.map(lambda new, old: jnp.where(has_f & last, new, old), dy, turned)
+        turned = () if lockstep else pending
         bm, has_b = ticks.backward(t, stage)
         bm = jnp.clip(bm, 0, microbatches - 1)
-        cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), turned, cot_in)
+        cot = jax.tree.map(lambda a, c: jnp.where(last, a, c), pending, cot_in)
         d_stage, dx, d_side = _when(has_b, stage_pull, _at(stash, bm % ticks.slots), bm, cot)
         acc = lambda a, g: a + g.astype(a.dtype)  # noqa: E731
         grads, head_grads = jax.tree.map(acc, grads, d_stage), jax.tree.map(acc, head_grads, d_head)
@@ -445,7 +447,8 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         return (received, cot_in, turned, stash, value, grads, head_grads, input_grads, side_grads), None
 
     value = _zeros_of_result(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
-    init = vary((one, one, one, jax.tree.map(lambda a: jnp.zeros((ticks.slots, *a.shape), a.dtype), one), value,
+    stash = jax.tree.map(lambda a: jnp.zeros((ticks.slots, *a.shape), a.dtype), one)
+    init = vary((one, one, () if lockstep else one, stash, value,
                  *(_sums(tree, accum_dtype) for tree in (stage_params, head_params, inputs, side))))
     steps = jnp.arange(ticks.ticks)
     carry, _ = jax.lax.scan(tick, _compat.settle_carry(tick, init, steps[0]), steps)
