@@ -783,6 +783,33 @@ def test_one_f_one_b_refuses_a_loss_that_updates_its_state():
 
 
 @pytest.mark.gpu_compile
+def test_one_f_one_b_s_bound_is_in_xla_s_buffer_assignment():
+    """Compile-only 8xH100, 4 stages, 16 micro-batches of 1024 x 1024 bf16 rows (2 MiB each):
+    Megatron's bound stashes 4 stage inputs where lock step stashes 7, and holds the last stage's
+    cotangent for one tick, which lock step does not, so XLA assigns it 2 stage inputs less temp
+    (to the nearest input: the other buffers are scalars and the stage's small weights)."""
+    from jax_drain.planner.targets import gpu_mesh
+
+    stages, microbatches, rows, width = 4, 16, 1024, 1024
+    mesh = gpu_mesh((2, stages), ("data", "stage"))
+    head = lambda hp, y, m: (jnp.sum(y.astype(jnp.float32)) * hp, ())  # noqa: E731
+
+    def temp(lockstep):
+        def grads(w, x):
+            return pp.one_f_one_b(lambda p, h: jnp.tanh(h @ p[0]), w, x, head, jnp.float32(1), axis="stage",
+                                  lockstep=lockstep).stage_grads
+
+        step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P("stage")))
+        w = jax.ShapeDtypeStruct((stages, width, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("stage")))
+        x = jax.ShapeDtypeStruct((microbatches, rows, width), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+        return step.lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+    stage_input = rows * width * 2
+    bounded, lockstep = temp(False), temp(True)
+    assert round((lockstep - bounded) / stage_input) == (7 - 4) - 1, (bounded, lockstep)
+
+
+@pytest.mark.gpu_compile
 def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedule():
     """Compile-only 8xH100, (data, stage) = (2, 4), XLA allowed 4 collectives in flight: the
     stage's layer chain (4 buckets) keeps one bucket in flight drained, in either schedule, and 3
