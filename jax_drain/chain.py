@@ -659,13 +659,18 @@ class ChainedSync:
         """Returns ``tree``'s leaves after checking its structure, shapes (global, the
         per-device blocks with ``local=True``, or with ``region=True`` the blocks of the step's
         :meth:`shard_map`, whole along :attr:`auto_axes`) and dtypes against the params."""
-        shape = lambda pl: (pl.local_shape if local else self.region_shape(pl.global_shape, pl.spec) if region  # noqa: E731
-                            else pl.global_shape)
+        if local and region:
+            raise ValueError("check_tree: give local=True or region=True, not both")
+
+        def shape(pl: Any) -> tuple[int, ...]:
+            if local:
+                return pl.local_shape
+            return self.region_shape(pl.global_shape, pl.spec) if region else pl.global_shape
+
         expected = [(pl.path, shape(pl), pl.dtype) for pl in self.placements]
-        reference = "the params this sync was built with" + (" (per-device blocks)" if local else
-                                                             " (blocks of the step's data-parallel region)" if region
-                                                             else "")
-        return check_leaves(tree, self._treedef, expected, what, reference, check_dtypes)
+        blocks = " (per-device blocks)" if local else " (blocks of the step's data-parallel region)" if region else ""
+        return check_leaves(tree, self._treedef, expected, what, "the params this sync was built with" + blocks,
+                            check_dtypes)
 
     def unflatten_buckets(self, flat: Sequence[jax.Array]) -> PyTree:
         """The params-shaped tree from whole buckets in flat order (see :meth:`flat_shards`)."""

@@ -76,7 +76,7 @@ def stage_inputs_held(microbatches: int, stages: int, schedule: str = "gpipe") -
         raise ValueError(f"stage_inputs_held: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if schedule == "gpipe":
         return num_ticks(microbatches, stages)
-    return _OneFOneBTicks.of(microbatches, stages, lockstep=schedule == "1f1b_lockstep").slots
+    return _OneFOneBTicks.of(microbatches, stages, lockstep=_lockstep(schedule)).slots
 
 
 def schedule_time(microbatches: int, stages: int, schedule: str = "gpipe", *, backward: float = 2.0) -> float:
@@ -104,9 +104,19 @@ def schedule_time(microbatches: int, stages: int, schedule: str = "gpipe", *, ba
     back = backward + 1.0
     if schedule == "gpipe":
         return num_ticks(microbatches, stages) * (1.0 + back)
-    ticks = _OneFOneBTicks.of(microbatches, stages, lockstep=schedule == "1f1b_lockstep")
+    ticks = _OneFOneBTicks.of(microbatches, stages, lockstep=_lockstep(schedule))
     return float(sum(max(ticks.forward(t, s)[1] * 1.0 + ticks.backward(t, s)[1] * back for s in range(stages))
                      for t in range(ticks.ticks)))
+
+
+def _lockstep(schedule: str) -> bool:
+    """Whether a 1F1B ``schedule`` (of :data:`SCHEDULES`) runs in lock step."""
+    return schedule == "1f1b_lockstep"
+
+
+def _hops(stages: int, *, back: bool = False) -> list[tuple[int, int]]:
+    """``ppermute``'s pairs from each stage to the next (``back``: to the previous)."""
+    return [(s + 1, s) if back else (s, s + 1) for s in range(stages - 1)]
 
 
 class _OneFOneBTicks(NamedTuple):
@@ -200,7 +210,6 @@ def _gpipe_ticks(apply: Callable[[PyTree, PyTree, PyTree], PyTree], stage_params
     ``[ticks, ...]`` with ``keep_inputs``, else ``None``)."""
     stages, stage = _compat.axis_size(axis), jax.lax.axis_index(axis)
     (microbatches,) = {x.shape[0] for x in jax.tree.leaves(inputs)}
-    forward = [(s, s + 1) for s in range(stages - 1)]
 
     def tick(carry: tuple[PyTree, PyTree], t: jax.Array) -> tuple[tuple[PyTree, PyTree], PyTree]:
         state, outputs = carry
@@ -211,7 +220,7 @@ def _gpipe_ticks(apply: Callable[[PyTree, PyTree, PyTree], PyTree], stage_params
         # The last stage finishes micro-batch t - (stages - 1); a slot is written once.
         slot = t - (stages - 1)
         outputs = _keep(outputs, jnp.clip(slot, 0, microbatches - 1), (stage == stages - 1) & (slot >= 0), y)
-        state = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
+        state = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, _hops(stages)), y)
         return (state, outputs), (x if keep_inputs else None)
 
     first = _at(inputs, 0)
@@ -247,7 +256,6 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
         # closed-over constant) gets its gradient summed over the stage axis in each tick by
         # jax's transpose, as differentiating the forward loop does.
         wrt = (stage_params, consts)
-        backward_pairs = [(s + 1, s) for s in range(stages - 1)]
 
         def pull(x: PyTree, m: jax.Array, cot_y: PyTree) -> tuple:
             _, vjp = _vjp_inexact(lambda pc, x_, s_: apply(pc[0], x_, s_, pc[1]), wrt, x, _at(side, m))
@@ -270,7 +278,7 @@ def _gpipe_remat(fn: Callable[..., PyTree], axis: str, accum_dtype: Any, stage_p
             sums = jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, d_wrt)
             input_grads = _keep(input_grads, at_m, real & (stage == 0), dx)
             side_grads = _keep(side_grads, at_m, real, jax.tree.map(jnp.add, _at(side_grads, at_m), d_side))
-            cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward_pairs), dx)
+            cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, _hops(stages, back=True)), dx)
             return (cot_in, sums, input_grads, side_grads), None
 
         init = (_sums(_at(inputs, 0), None), _sums(wrt, accum_dtype), _sums(inputs, None), _sums(side, None))
@@ -418,8 +426,6 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         (total, extra), pull = _vjp_inexact(lambda hp, y_: head(hp, y_, m), head_params, y, has_aux=True)
         return total, extra, *pull(jnp.ones_like(total))
 
-    forward = [(s, s + 1) for s in range(stages - 1)]
-    backward = [(s + 1, s) for s in range(stages - 1)]
 
     def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
         received, cot_in, turned, stash, value, grads, head_grads, input_grads, side_grads = carry
@@ -442,8 +448,8 @@ def one_f_one_b(stage_fn: Callable[..., PyTree], stage_params: PyTree, inputs: P
         grads, head_grads = jax.tree.map(acc, grads, d_stage), jax.tree.map(acc, head_grads, d_head)
         input_grads = _keep(input_grads, bm, has_b & first, dx)
         side_grads = _keep(side_grads, bm, has_b, jax.tree.map(jnp.add, _at(side_grads, bm), d_side))
-        received = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, forward), y)
-        cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, backward), dx)
+        received = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, _hops(stages)), y)
+        cot_in = jax.tree.map(lambda v: jax.lax.ppermute(v, axis, _hops(stages, back=True)), dx)
         return (received, cot_in, turned, stash, value, grads, head_grads, input_grads, side_grads), None
 
     value = _zeros_of_result(lambda y, m: head(head_params, y, m), one, jnp.int32(0))
@@ -643,7 +649,7 @@ def pipelined(loss_fn: Callable[[PyTree, PyTree], Any], stacked: PyTree, *, axis
         one_f_one_b_ = schedule != "gpipe"
         traced = _Traced.of(loss_fn, params, stacked, batch, axis, microbatches, stage_copies=one_f_one_b_)
         if one_f_one_b_:
-            return _one_f_one_b_loss(traced, has_state, accum_dtype, lockstep=schedule == "1f1b_lockstep")
+            return _one_f_one_b_loss(traced, has_state, accum_dtype, lockstep=_lockstep(schedule))
         rewriter = _StackRewriter(traced, lambda stack: pipeline(
             stack.stage_fn, stack.layers, stack.carry, axis=axis, microbatches=microbatches, remat=remat,
             side=stack.side or None, accum_dtype=accum_dtype))

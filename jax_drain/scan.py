@@ -357,7 +357,7 @@ class ScanGradSync(ChainedSync):
 
         def wrapped(params: PyTree, *args: Any, **kwargs: Any):
             self.require_inside_shard_map("value_and_grad", data_region=bool(self.auto_axes))
-            self.check_tree(params, "params", local=not self.auto_axes)  # gspmd's region: whole along the model
+            self.check_tree(params, "params", region=True)
             local = jax.tree.leaves(self.local_params(params))
             residuals, args = (args[0], args[1:]) if error_feedback else (None, args)
             state, args = (args[0], args[1:]) if has_state else (None, args)

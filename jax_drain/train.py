@@ -239,8 +239,8 @@ class TrainConfig:
             ``microbatches``), so a stage holds at most ``stages`` micro-batches' inputs however
             many there are (Megatron's bound), a tick running one forward or one backward per
             stage; the loss must not update model state. ``"1f1b_lockstep"``: the same, a forward
-            and a backward every tick on every stage, about ``2/3`` of its time for up to
-            ``2 * stages - 1`` inputs held. All sum the stage's
+            and a backward every tick on every stage: GPipe's time, about ``2/3`` of
+            ``"1f1b"``'s, for up to ``2 * stages - 1`` inputs held. All sum the stage's
             gradients over the micro-batches in ``accum_dtype``. The batch is split over
             ``axis`` and ``stage_axis`` both. Each stage's layers are reduced over ``axis``
             only, in their own chain; the other parameters over both (where every parameter is
@@ -1587,15 +1587,16 @@ class _Background:
         self._finish: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, args=(prepare, args),
                                         name=f"jax_drain {getattr(prepare, '__name__', 'check')}")
-        self._started = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
         """Starts preparing (once; :meth:`wait` starts it too)."""
         with self._lock:
-            if not self._started:
-                self._started = True
+            if not self._started():
                 self._thread.start()
+
+    def _started(self) -> bool:
+        return self._thread.ident is not None
 
     def _run(self, prepare: Callable[..., Callable[[], None]], args: tuple) -> None:
         try:
@@ -1605,7 +1606,7 @@ class _Background:
 
     def join(self) -> None:
         """Waits for a started preparation to end, raising nothing and finishing nothing."""
-        if self._started:
+        if self._started():
             self._thread.join()
 
     def wait(self) -> None:
