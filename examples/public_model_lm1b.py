@@ -7,7 +7,10 @@ collectives, ``nn.with_logical_partitioning`` on its parameters); its logical ax
 axis names are read from the same checkout's ``examples/lm1b/configs/default.py`` (``mlp`` and
 ``vocab`` over ``tensor``, ``embed`` over ``fsdp``). The mesh is lm1b's ``(data, fsdp, tensor)``
 at ``(4, 1, 2)`` on 8 virtual CPU devices: data parallel 4, tensor (model) parallel 2
-(``--mesh 2,2,2`` also shards every ``embed`` dimension over ``fsdp``).
+(``--mesh 2,2,2`` also shards every ``embed`` dimension over ``fsdp``). ``--stages 2`` adds a
+``stage`` axis after ``data`` and pipelines lm1b's decoder blocks (a list of identical linen
+blocks, ``encoderdecoderblock_0``...: the step stacks them, one share per stage), in the
+``--schedule`` given, with ZeRO-3 under ``--zero3``.
 ``jd.make_train_step`` reads the shardings from the boxes with ``TrainConfig(logical_axis_rules=)``
 and runs the loss on global shapes (``tensor_parallel="gspmd"``). The script checks that every
 ``tensor``-sharded weight is held as 1/2 blocks on each device and compares the losses and
@@ -76,10 +79,13 @@ def main(argv=None):
     parser.add_argument("--flax", required=True, help="a flax checkout (holding examples/lm1b/models.py)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mesh", default="4,1,2", help="sizes of lm1b's mesh axes (data, fsdp, tensor)")
+    parser.add_argument("--stages", type=int, default=1, help="a stage axis of this size after data (pipeline)")
+    parser.add_argument("--schedule", default="gpipe", help="the pipeline's schedule (with --stages)")
+    parser.add_argument("--zero3", action="store_true", help="shard the parameters too (TrainConfig(shard_params=True))")
     args = parser.parse_args(argv)
     models, mesh_axes, rules = load_lm1b(args.flax)
     config = models.TransformerConfig(
-        vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=32, num_heads=4, num_layers=2, qkv_dim=32, mlp_dim=64,
+        vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=32, num_heads=4, num_layers=2 * args.stages, qkv_dim=32, mlp_dim=64,
         max_len=SEQ, dropout_rate=0.0, attention_dropout_rate=0.0, deterministic=True)
     module = models.TransformerLM(config)
 
@@ -92,11 +98,17 @@ def main(argv=None):
 
     data = list(batches(args.steps))
     variables = module.init(jax.random.key(0), data[0]["inputs"][:1])  # boxed: nn.LogicallyPartitioned
-    mesh = jax.make_mesh(tuple(int(n) for n in args.mesh.split(",")), mesh_axes)  # ("data", "fsdp", "tensor")
+    sizes = tuple(int(n) for n in args.mesh.split(","))
+    pipeline = {}
+    if args.stages > 1:  # ("data", "stage", "fsdp", "tensor"): the data axes first, as XLA's split wants them
+        sizes, mesh_axes = (sizes[0], args.stages, *sizes[1:]), (mesh_axes[0], "stage", *mesh_axes[1:])
+        pipeline = dict(stage_axis="stage", pipeline_microbatches=2 * args.stages, pipeline_schedule=args.schedule)
+    mesh = jax.make_mesh(sizes, mesh_axes)
     decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # kernels and embeddings only
     step = jd.make_train_step(
         variables, loss_fn, jd.adamw(LR, weight_decay=WD, mask=decay, max_norm=MAX_NORM), mesh,
-        jd.TrainConfig(axis="data", logical_axis_rules=rules, bucket_size=8192), example_batch=data[0])
+        jd.TrainConfig(axis="data", logical_axis_rules=rules, bucket_size=8192, shard_params=args.zero3, **pipeline),
+        example_batch=data[0])
     assert step.tensor_parallel == "gspmd", step.tensor_parallel
     state, losses = step.init(), []
     for batch in data:
@@ -106,7 +118,7 @@ def main(argv=None):
     # (b) each device holds its own block: 1/n of every dimension sharded over mesh axes of size n.
     size = lambda entry: int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ())]))
     blocks = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+    for path, x in jax.tree_util.tree_leaves_with_path(() if args.zero3 else state.params):
         spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
         want = tuple(d // size(e) for d, e in zip(x.shape, spec))
         got = {s.data.shape for s in x.addressable_shards}
@@ -125,7 +137,7 @@ def main(argv=None):
         plain = optax.apply_updates(plain, updates)
         ref_losses.append(float(loss))
         ref_grads.append(g)
-    got = jax.device_get(state.params)
+    got = step.master_params(state)  # the model's own tree (with a stage axis the step holds the blocks stacked)
     rel = lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
     param_diff = max(jax.tree.leaves(jax.tree.map(rel, got, jax.device_get(plain))))
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -1389,6 +1389,15 @@ def _array_keys(paths: list[str]) -> list[str]:
     return keys
 
 
+#: The path of a list of blocks a stage axis stacked (``jax_drain._blocks.BlockStack.key``), in
+#: a description's JSON: a leaf's path, or a parameter's in a bucket layout.
+_STACKED_BLOCKS = re.compile(r'[^"/]*/\[[^"/\]]+\.\.[^"/\]]+\]')
+
+
+def _stacked_blocks(description: dict[str, Any]) -> set[str]:
+    return set(_STACKED_BLOCKS.findall(json.dumps(description)))
+
+
 def _differences(saved: dict[str, Any], wanted: dict[str, Any], limit: int = 6) -> str:
     """A short human-readable diff of two state descriptions."""
     have = {path: (shape, dtype) for _, path, shape, dtype in saved["leaves"]}
@@ -1406,6 +1415,12 @@ def _differences(saved: dict[str, Any], wanted: dict[str, Any], limit: int = 6) 
             notes.append(f"{path!r} is {d1}{s1} in the checkpoint, {d2}{s2} here")
             if len(notes) >= limit:
                 break
+    stacked = sorted(_stacked_blocks(saved) ^ _stacked_blocks(wanted))
+    if stacked:
+        notes.append(f"{stacked[0]!r} is a list of blocks a stage axis stacked ([first..last]); a checkpoint moves "
+                     "between stage counts of the stacked blocks, not yet between them and the blocks one by one: "
+                     "restore it onto a stage axis, and read the model's own tree with step.master_params or "
+                     "step.update_model")
     have_layouts = [x["fingerprint"] for x in saved["layouts"]]
     want_layouts = [x["fingerprint"] for x in wanted["layouts"]]
     if have_layouts != want_layouts:

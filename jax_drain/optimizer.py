@@ -159,6 +159,9 @@ class FlatView:
     params: PyTree
     norm_axes: tuple[str, ...]
     manual: bool = True
+    #: A list of the model's blocks that ``params`` holds stacked (a
+    #: :class:`~jax_drain._blocks.BlockStack`): masks are the model's, read on its own tree.
+    stacking: Any = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatView) and other.key == self.key
@@ -168,7 +171,11 @@ class FlatView:
 
     def leaf_mask(self, mask: Mask) -> list[bool]:
         """One Python bool per parameter leaf (``jax.tree.leaves`` order)."""
-        return _leaf_mask(mask, self.params)
+        if self.stacking is None:
+            return _leaf_mask(mask, self.params)
+        own = self.stacking.unstack(self.params)
+        flags = jax.tree.unflatten(jax.tree.structure(own), _leaf_mask(mask, own))
+        return jax.tree.leaves(self.stacking.stack(flags, combine=_one_flag))
 
     def runs(self, i: int, selected: Sequence[bool]) -> list[int]:
         """Boundaries ``[start, end, start, end, ...)`` of the runs of shard ``i``'s bucket held
@@ -223,6 +230,13 @@ class FlatShards:
 
     shards: tuple[jax.Array, ...]
     view: FlatView
+
+
+def _one_flag(*flags: bool) -> bool:
+    if len(set(flags)) > 1:
+        raise ValueError(f"the mask tells the model's identical blocks apart ({list(flags)}); a stage axis runs them "
+                         "stacked, one mask entry for all: mask every block alike")
+    return flags[0]
 
 
 def _shard_view(updates: Any) -> FlatView | None:
@@ -397,40 +411,46 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
     transform_check(tx, params, rtol=rtol)()
 
 
-def transform_check(tx: optax.GradientTransformation, params: PyTree, *,
-                    rtol: float = 1e-4) -> Callable[[], None]:
+def transform_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4,
+                    stacking: Any = None) -> Callable[[], None]:
     """:func:`check_transform` prepared: traced and lowered, on any thread, with nothing run on a
     device. Calling the result compiles and runs the check on the calling thread, raising
     ``ValueError`` if ``tx`` is refused (a pass is remembered). What needs no run (the abstract
     trace at the real shapes, a ``tx`` that cannot be traced) is refused here. The same ``tx``
-    object on the same shapes is prepared once."""
+    object on the same shapes is prepared once. ``stacking``: a list of the model's blocks that
+    ``params`` holds stacked (:class:`FlatView`); the tree ``tx`` must agree with is then the
+    model's own, block by block."""
     leaves, treedef = jax.tree.flatten(params)
-    return _flat_check(tx, treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves), rtol)
+    return _flat_check(tx, treedef, tuple(tuple(int(d) for d in np.shape(x)) for x in leaves), rtol, stacking)
 
 
 @once_per_tx
-def _flat_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float) -> Verdict:
+def _flat_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float,
+                stacking: Any = None) -> Verdict:
     real = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), real)
-    if difference := _shape_dependence(tx, real, abstract):
+    shrunk = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), tree)  # noqa: E731
+    if difference := _shape_dependence(tx, real, shrunk(real)):
         raise ValueError(_transform_hint(
             "tx computes differently at the parameters' real shapes than on the shrunken copy the check "
             "runs, so flat shards (whose shapes are neither) would not mean the same", difference))
+    # Stacked blocks keep a row per block: the model's tree, shrunken, stacked again.
+    own, back = (lambda t: t, lambda t: t) if stacking is None else (stacking.unstack, stacking.stack)
+    abstract = back(shrunk(own(real)))
     start, grads = random_steps(abstract)
     try:
-        on_tree = updates_on_tree(tx, start, grads)
+        on_tree = updates_on_tree(tx, own(start), [own(g) for g in grads])
     except Exception as e:  # noqa: BLE001 - tx must first work on the tree it is written for
         raise ValueError(f"tx fails on the parameter tree ({type(e).__name__}: {e})") from e
 
     layout = BucketLayout.build(abstract, bucket_size=3, shard_multiple=_CHECK_DEVICES)
     try:
-        on_shards = _updates_on_shards(tx, abstract, layout, start, grads)
+        on_shards = _updates_on_shards(tx, abstract, layout, start, grads, stacking)
     except Exception as e:  # noqa: BLE001 - any failure on flat shards means tx cannot run there
         raise ValueError(_transform_hint("tx fails on flat shards", f"{type(e).__name__}: {e}")) from e
 
     def run() -> None:
         flat_updates = [host_unflatten(layout, step) for step in on_shards()]
-        for step, (want_tree, got_tree) in enumerate(zip(on_tree(), flat_updates)):
+        for step, (want_tree, got_tree) in enumerate(zip(map(back, on_tree()), flat_updates)):
             if differs := first_difference(leaf_paths(abstract), want_tree, got_tree, rtol):
                 path, want, got = differs
                 raise ValueError(_transform_hint(
@@ -562,7 +582,7 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
 
 
 def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
-                       grads: Sequence[PyTree]) -> Callable[[], list]:
+                       grads: Sequence[PyTree], stacking: Any = None) -> Callable[[], list]:
     """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
     ``_CHECK_DEVICES`` simulated devices (a ``vmap``), as ``[devices, shard]`` buckets
     (:func:`~jax_drain._tx_check.stepped`). The shards are cut on the host."""
@@ -570,7 +590,7 @@ def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layou
     chain = BucketChain("dense", "check", layout, tuple(range(num_leaves)), (_CHECK_AXIS,), (),
                         _CHECK_DEVICES, (), (1,) * num_leaves)
     refs = tuple((chain, k) for k in range(layout.num_buckets))
-    view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False)
+    view = FlatView(f"check-{id(tx)}", refs, abstract, (_CHECK_AXIS,), manual=False, stacking=stacking)
 
     def init(start_shards: tuple[jax.Array, ...]) -> tuple[Any, FlatShards]:
         master = FlatShards(start_shards, view)
@@ -633,6 +653,9 @@ class DistributedOptimizer:
             element of every device once; what ``jax_drain.clip_by_global_norm`` in ``tx`` does,
             for a ``tx`` that runs per owner (``ownership="param"``), where a clip inside would
             see one owner's parameters only. ``None``: no clip.
+        stacking: set by :func:`~jax_drain.make_train_step` where a stage axis stacked a list
+            of the model's blocks (a ``jax_drain._blocks.BlockStack``): the masks in ``tx`` are
+            the model's, read on its own tree, and ``tx`` is checked against that tree.
 
     Inside ``jax.shard_map``: :meth:`init`, :meth:`update`, :meth:`gather_params`. Outside:
     :meth:`init_sharded`, :meth:`state_specs`, :meth:`abstract_state`, :meth:`check_state`,
@@ -647,6 +670,7 @@ class DistributedOptimizer:
         gather_max_in_flight: int | str | None = "sync",
         check_tx: bool = True,
         max_grad_norm: float | None = None,
+        stacking: Any = None,
     ):
         if not isinstance(sync, ChainedSync):
             raise TypeError(f"sync must be a jax_drain.GradSync or jax_drain.ScanGradSync, got {type(sync).__name__}")
@@ -666,7 +690,8 @@ class DistributedOptimizer:
         self.layout = StateLayout.of(sync)
         self.fingerprint = self.layout.fingerprint
         self._refs = sync.flat_chains
-        self._view = FlatView(self.fingerprint, self._refs, sync.abstract_params, tuple(sync.mesh.axis_names))
+        self._view = FlatView(self.fingerprint, self._refs, sync.abstract_params, tuple(sync.mesh.axis_names),
+                              stacking=stacking)
         # Whole-parameter ownership: tx runs on each device's own whole parameters.
         self._owned = OwnedParams.of(self._refs, sync.abstract_params) if sync.chains[0].layout.owners else None
         self._packed = None if self._owned is None else self._owned.state_layout(tx)
@@ -674,7 +699,10 @@ class DistributedOptimizer:
             self.layout = dataclasses.replace(
                 self.layout, packing=json.dumps(self._owned.packing(tx, self._packed), sort_keys=True))
         if check_flag(check_tx, "check_tx"):
-            (check_transform if self._owned is None else check_per_parameter)(tx, sync.abstract_params)
+            if self._owned is not None:
+                check_per_parameter(tx, sync.abstract_params)
+            else:
+                transform_check(tx, sync.abstract_params, stacking=stacking)()
 
     def __repr__(self) -> str:
         return (

@@ -100,6 +100,7 @@ from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat, pipeline, zero3
+from jax_drain._blocks import BlockStack, NotRerolled, find_block_stack, rerolled
 from jax_drain._host_layout import host_to_params
 from jax_drain.chain import ChainedSync, check_flag, check_microbatches
 from jax_drain.collectives import check_float_dtype, check_wire_dtype
@@ -480,10 +481,15 @@ class TrainStep:
         mode = config.tensor_parallel
         if mode is None:
             mode = "gspmd" if config.param_specs is None and shards_any(declared) else "manual"
+        #: A list of identical blocks the stage axis stacked (the step holds the stacked tree,
+        #: init and the model see their own); ``None`` otherwise.
+        self._blocks: BlockStack | None = None
+        own_params = params
         if config.stage_axis is not None:
-            config, loss, self.pipeline_microbatches = _staged(config, loss, params, model_state, mesh, example_batch,
-                                                               specs=specs, tensor_parallel=mode)
-            specs = config.param_specs
+            staged = _staged(config, loss, params, model_state, mesh, example_batch, specs=specs,
+                             tensor_parallel=mode)
+            config, loss, self.pipeline_microbatches = staged.config, staged.loss, staged.microbatches
+            params, self._blocks, specs = staged.params, staged.blocks, staged.config.param_specs
         #: ``"manual"`` or ``"gspmd"`` (:attr:`TrainConfig.tensor_parallel`, resolved).
         self.tensor_parallel = mode
         if mode == "gspmd":
@@ -495,7 +501,7 @@ class TrainStep:
         self._loss, self._model_state = loss, model_state
         # init() reads the model's params when it is called (or the given pytree's); the step
         # itself only needs their shapes.
-        self._model, self._source = model, (params if model is None else None)
+        self._model, self._source = model, (own_params if model is None else None)
         self._linen = linen  # model_state holds a linen variables dict's collections other than params
         self._model_params = _abstract(params)  # the model's own dtypes: the master shards' source
         _check_floating(self._model_params)
@@ -557,6 +563,8 @@ class TrainStep:
             _check_like(model_state, _abstract(self._model_state), what="model state")
         if isinstance(params, nnx.Module):
             params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
+        if self._blocks is not None:  # the model's own tree, as the step holds it
+            params = self._blocks.stack(params)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             raise ValueError("init needs concrete parameters; this step was built from abstract ones")
         _check_like(params, self._model_params)
@@ -756,7 +764,10 @@ class TrainStep:
         _check_not_consumed(state)  # before anything is written: a model half updated is worse than none
         param_state = nnx.state(model, nnx.Param)
         exact = self.config.param_dtype is None and not self.config.shard_params
-        nnx.replace_by_pure_dict(param_state, jax.jit(_copy)(state.params) if exact else self.master_params(state))
+        params = jax.jit(_copy)(state.params) if exact else self.master_params(state)
+        if exact and self._blocks is not None:  # master_params gives the model's own tree already
+            params = self._blocks.unstack(params)
+        nnx.replace_by_pure_dict(param_state, params)
         nnx.update(model, param_state)
         if state.model_state is not None:
             *_, other = nnx.split(model, nnx.Param, nnx.RngKey, ...)
@@ -792,13 +803,15 @@ class TrainStep:
                             f"{type(state).__name__}")
         _check_not_consumed(state)
         if state.opt_state is None:  # not stepped yet (built without example_batch): the model's own
-            return jax.tree.map(_whole_on_host, state.params)
-        description = json.loads(state.opt_state.layout.description)
-        by_path = host_to_params(description, [_whole_on_host(m) for m in state.opt_state.master])
-        return jax.tree.unflatten(jax.tree.structure(self._model_params), [
-            by_path[path].astype(x.dtype) for path, x in zip(leaf_paths(self._model_params),
-                                                               jax.tree.leaves(self._model_params))
-        ])
+            params = jax.tree.map(_whole_on_host, state.params)
+        else:
+            description = json.loads(state.opt_state.layout.description)
+            by_path = host_to_params(description, [_whole_on_host(m) for m in state.opt_state.master])
+            params = jax.tree.unflatten(jax.tree.structure(self._model_params), [
+                by_path[path].astype(x.dtype) for path, x in zip(leaf_paths(self._model_params),
+                                                                   jax.tree.leaves(self._model_params))
+            ])
+        return params if self._blocks is None else self._blocks.unstack(params)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self, batch: PyTree) -> None:
@@ -837,7 +850,7 @@ class TrainStep:
         """:func:`transform_check`; when it refuses ``tx`` and the ownership was left to the
         step, the error says whether whole-parameter ownership would run it."""
         try:
-            verdict, refused_early = transform_check(tx, params), None
+            verdict, refused_early = transform_check(tx, params, stacking=self._blocks), None
         except ValueError as refused:
             verdict, refused_early = None, refused
 
@@ -897,7 +910,7 @@ class TrainStep:
         if config.error_feedback:
             check_error_feedback(sync)
         optimizer = DistributedOptimizer(self.tx, sync, gather_max_in_flight=config.gather_max_in_flight,
-                                         max_grad_norm=config.max_grad_norm,
+                                         max_grad_norm=config.max_grad_norm, stacking=self._blocks,
                                          check_tx=False)  # checked on the thread above
         with self._tx_explains():  # the state's layout evaluates tx.init on flat shards
             specs = optimizer.state_specs()
@@ -1243,14 +1256,15 @@ def global_batch_shape(rows: PyTree) -> PyTree:
 
 def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params: PyTree, model_state: PyTree,
             mesh: Mesh, example_batch: PyTree | None, *, specs: PyTree | None,
-            tensor_parallel: str) -> tuple[TrainConfig, Callable[..., tuple[Any, PyTree]], int]:
+            tensor_parallel: str) -> "_StageLayout":
     """A stage axis as the layout the rest of the step already runs: the config with the stage
     axis among the data axes, the stacked leaves split over it along their layer axis and
     reduced over the data axes alone (an expert-style chain), the loss with its layer scan piped
     (:func:`jax_drain.pipeline.pipelined`); and the micro-batches. ``specs``: the parameters'
     tensor-parallel specs (given or declared), ``tensor_parallel`` the resolved mode: the stage
     axis is manual in both, so with ``"gspmd"`` XLA partitions each stage's layers over the
-    model axes."""
+    model axes. A list of identical blocks is stacked first (the step then holds the stacked
+    tree; the model's own is the stack's :meth:`~jax_drain._blocks.BlockStack.unstack`)."""
     stage = config.stage_axis
     if example_batch is None:
         raise ValueError("stage_axis: give make_train_step an example_batch, so that the loss is traced to find the "
@@ -1281,10 +1295,26 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     except Exception as e:
         raise ValueError(f"stage_axis: could not trace the loss to find its layer stack: {type(e).__name__}: {e}") from e
     stacked = [path for path, m in zip(leaf_paths(params), jax.tree.leaves(mask)) if m]
+    blocks = None
     if not stacked:
-        raise ValueError("stage_axis splits a scanned layer stack (nnx.scan, nn.scan or jax.lax.scan over stacked "
-                         "parameters), and the loss scans over none of its parameters: a list of blocks, each with "
-                         "its own parameters, is not a stack; scan them over stacked parameters")
+        # A list of identical blocks, run one after another: stacked, and the loss rerolled into a scan of them.
+        neither = ("stage_axis splits a layer stack: a scanned one (nnx.scan, nn.scan or jax.lax.scan over stacked "
+                   "parameters) or a list of identical blocks the loss runs one after another, each reading its own "
+                   "parameters and the block before it; the loss has neither")
+        try:
+            blocks = find_block_stack(lambda p, b: _bound_axes(scalar, bound)((p, _abstract(model_state)), b),
+                                      _abstract(params), local)
+        except NotRerolled as e:
+            raise ValueError(f"{neither}: its largest group of identical blocks, {e}") from None
+        except Exception as e:
+            raise ValueError(f"stage_axis: could not trace the loss to find its blocks: {type(e).__name__}: {e}") from e
+        if blocks is None:
+            raise ValueError(f"{neither} (no two of its parameter subtrees are alike)")
+        params, specs = blocks.stack(params), _stacked_specs(blocks, specs, params)
+        loss = rerolled(loss, blocks)
+        scalar = lambda ps, b: split_output(loss(ps[0], ps[1], b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
+        mask, state_mask = stacked_leaves(_bound_axes(scalar, bound), (_abstract(params), _abstract(model_state)),
+                                          local)
     split = _split_over_stages(params, mask)
     layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves((params, model_state)),
                                                           jax.tree.leaves((mask, state_mask))) if m})
@@ -1321,7 +1351,36 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
             kept.append(full if m else updated)
         return out, jax.tree.unflatten(jax.tree.structure(new), kept)
 
-    return derived, piped_fn, microbatches
+    return _StageLayout(derived, piped_fn, microbatches, params, blocks)
+
+
+class _StageLayout(NamedTuple):
+    """What :func:`_staged` makes of a stage axis: the derived config, the piped loss, the
+    micro-batches, the params the step holds (stacked where the model has a list of blocks) and
+    that stacking (``None``: the model's own tree)."""
+
+    config: TrainConfig
+    loss: Callable[..., tuple[Any, PyTree]]
+    microbatches: int
+    params: PyTree
+    blocks: BlockStack | None
+
+
+def _stacked_specs(blocks: BlockStack, specs: PyTree | None, params: PyTree) -> PyTree | None:
+    """``specs`` (for the model's tree) for the tree with ``blocks`` stacked: each block's spec,
+    which every block must share, behind the new (layer) axis."""
+    if specs is None:
+        return None
+    full = jax.tree.unflatten(jax.tree.structure(params), leaf_specs(params, specs))
+    parent = full
+    for key in blocks.parent:
+        parent = parent[key]
+    rows = [jax.tree.leaves(parent[m], is_leaf=lambda x: isinstance(x, P)) for m in blocks.members]
+    for member, row in zip(blocks.members[1:], rows[1:]):
+        if row != rows[0]:
+            raise ValueError(f"stage_axis: block {member!r} is sharded {row}, block {blocks.members[0]!r} "
+                             f"{rows[0]}: the stage axis stacks the blocks, which must then be sharded alike")
+    return blocks.stack(full, combine=lambda *ss: P(None, *ss[0]))
 
 
 def _split_over_stages(params: PyTree, stacked: PyTree) -> PyTree:

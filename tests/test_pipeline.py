@@ -7,6 +7,7 @@ float32 rounding of the computation (counted from its jaxpr); checkpoints that m
 counts; what is refused; and on compile-only 8xH100, each stage's drained chain.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -22,7 +23,7 @@ import jax_drain as jd
 from jax_drain import models, pipeline as pp
 
 from helpers import (
-    EPS32, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds, train_on,
+    EPS32, adam_rounding_bounds, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds, train_on,
 )
 
 LAYERS, WIDTH, ROWS = 8, 16, 3  # ROWS: rows of the batch on each device
@@ -513,6 +514,87 @@ def test_a_stage_axis_trains_like_one_device_sgd_and_resumes_bit_for_bit(shape, 
     assert [float(fresh(restored, b)[1].loss) for b in batches[STEPS:STEPS + 1]] == continued
 
 
+@pytest.mark.parametrize("shape,schedule,shard_params", [((2, 4), "gpipe", False), ((4, 2), "1f1b", True)])
+def test_a_list_of_blocks_is_stacked_over_the_stages_and_trains_like_one_device(shape, schedule, shard_params,
+                                                                                 tmp_path):
+    """The unscanned GPT (``nnx.List`` of blocks, each with its own parameters), unchanged: the
+    step stacks the blocks, reruns the loss's copies of the block as one scan, holds each
+    stage's blocks on that stage, trains like one-device optax within the rounding of its
+    gradients, with AdamW's weight-decay mask read on the model's own tree (by ``ndim``: a
+    block's norm scale is 1-D there, 2-D stacked), gives the model its own tree back, and
+    restores a checkpoint bit for bit and onto another stage count; onto the blocks one by one
+    it is refused, saying why."""
+    config = dataclasses.replace(_gpt(jnp.float32), scan_layers=False)
+    LR, WD = 1e-2, 0.5
+    decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731 - kernels and embeddings
+    batches = [models.example_batch(config, 16, jax.random.key(i)) for i in range(1, STEPS + 3)]
+
+    def build(mesh_shape, schedule=schedule, shard_params=shard_params, stage=True):
+        model = models.GPT(config, rngs=nnx.Rngs(0))
+        options = dict(stage_axis="stage", pipeline_microbatches=4, pipeline_schedule=schedule) if stage else {}
+        mesh = _mesh(mesh_shape) if stage else Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+        return model, jd.make_train_step(model, lambda m, b: m.loss(b), jd.adamw(LR, weight_decay=WD, mask=decay), mesh,
+                                         jd.TrainConfig(bucket_size=4096, shard_params=shard_params, **options),
+                                         example_batch=batches[0])
+
+    model, step = build(shape)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = step.init()
+    if not shard_params:  # each stage holds its own blocks: a [layers / stages, ...] share of the stack
+        stacked = state.params["blocks"]["[0..3]"]
+        for leaf in jax.tree.leaves(stacked):
+            assert {s.data.shape for s in leaf.addressable_shards} == {(4 // shape[1], *leaf.shape[1:])}
+    state = train_on(step, batches[:STEPS], state)
+    loss_fn = models.make_loss(config)
+    want, _, gradients = reference_run(loss_fn, params, optax.adamw(LR, weight_decay=WD, mask=decay), batches[:STEPS])
+    additions = rounding_chain(jax.grad(loss_fn), params, batches[0]) + 8 + 4
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=LR, params=params, weight_decay=WD)
+    got = step.master_params(state)
+    assert jax.tree.structure(got) == jax.tree.structure(params)  # the model's own tree: block by block
+    assert_within(got, want, bounds[-1], what=f"{shape} {schedule} after {STEPS} steps")
+    step.update_model(model, state)
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))), jax.tree.leaves(got)))
+
+    jd.save_checkpoint(tmp_path / "ckpt", state)
+    continued = float(step(state, batches[STEPS])[1].loss)
+    _, fresh = build(shape)
+    restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", fresh.abstract_state())
+    restored_params = fresh.master_params(restored)
+    assert float(fresh(restored, batches[STEPS])[1].loss) == continued
+    _, other = build(shape[::-1], schedule="gpipe" if schedule != "gpipe" else "1f1b")
+    moved, _ = jd.restore_checkpoint(tmp_path / "ckpt", other.abstract_state())
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(other.master_params(moved))),
+                                                    jax.tree.leaves(restored_params)))
+    _, flat = build(None, stage=False)
+    with pytest.raises(jd.CheckpointMismatchError, match=r"blocks/\[0\.\.3\].*a list of blocks a stage axis stacked"):
+        jd.restore_checkpoint(tmp_path / "ckpt", flat.abstract_state())
+
+
+def test_a_list_of_blocks_the_stages_cannot_run_stacked_is_refused_saying_why():
+    """A mask that tells the identical blocks apart has no one entry for the stacked leaf; a
+    block that reads another's parameters is not a copy of one block."""
+    config = dataclasses.replace(_gpt(jnp.float32), scan_layers=False)
+    batch = models.example_batch(config, 16, jax.random.key(1))
+    stage = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, bucket_size=4096)
+    first_only = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: "blocks/0/" in jax.tree_util.keystr(path, simple=True, separator="/"), p)
+    step = jd.make_train_step(models.GPT(config, rngs=nnx.Rngs(0)), lambda m, b: m.loss(b),
+                              jd.adamw(1e-2, weight_decay=0.5, mask=first_only), _mesh((2, 4)), stage,
+                              example_batch=batch)
+    with pytest.raises(ValueError, match="tells the model's identical blocks apart"):
+        step(step.init(), batch)
+
+    def tied(model, batch):  # every block also reads block 0's output projection
+        for block in model.blocks:
+            block.attn.out.kernel = model.blocks[0].attn.out.kernel
+        return model.loss(batch)
+
+    with pytest.raises(ValueError, match=r"the loss has neither: .*blocks/\{0, 1, 2, 3\}"):
+        jd.make_train_step(models.GPT(config, rngs=nnx.Rngs(0)), tied, optax.sgd(0.1), _mesh((2, 4)), stage,
+                           example_batch=batch)
+
+
 def _stack_loss(params, batch):
     h = jax.lax.scan(lambda h, w: (layer(h, w), None), batch["x"], params["layers"])[0]
     return jnp.mean((h @ params["head"]) ** 2)
@@ -602,7 +684,7 @@ def test_a_stage_axis_needs_a_stack_the_stages_split():
     with pytest.raises(ValueError, match=r"8 micro-batches \(pipeline_microbatches\) do not divide the 12 rows"):
         jd.make_train_step(params, _stack_loss, optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
     config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=3)
-    with pytest.raises(ValueError, match="scans over none of its parameters"):
+    with pytest.raises(ValueError, match="the loss has neither"):
         jd.make_train_step(params, lambda p, b: jnp.mean(b["x"] @ p["head"]) + 0 * jnp.sum(p["layers"]["bias"]),
                            optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
     with pytest.raises(ValueError, match="the stack has 8 layers, which 3 stages do not split equally"):

@@ -179,6 +179,34 @@ def test_flax_lm1b_transformer_unchanged_trains_like_one_device_optax(flax_sourc
 
 
 @pytest.mark.public_model
+@pytest.mark.parametrize("schedule,zero3", [("gpipe", False), ("1f1b", True)], ids=["zero1-gpipe", "zero3-1f1b"])
+def test_flax_lm1b_blocks_unchanged_train_on_a_stage_axis_like_one_device_optax(flax_source, schedule, zero3,
+                                                                                  cpu_devices):
+    """lm1b's decoder is a list of identical linen blocks (``encoderdecoderblock_0``...), not a
+    scan: on ``(data, stage, fsdp, tensor)`` = (2, 2, 1, 2) the step stacks them, each stage
+    holding its two, with XLA's tensor parallelism inside each stage and AdamW's ``ndim`` mask
+    read on lm1b's own tree; it trains within the rounding bounds of one-device optax."""
+    ex = _example()
+    args = ["--flax", flax_source, "--steps", "5", "--mesh", "2,1,2", "--stages", "2", "--schedule", schedule]
+    run = ex.main(args + (["--zero3"] if zero3 else []))
+    step, state = run["step"], run["state"]
+    assert (step.stage_axis, step.pipeline_schedule, step.tensor_parallel) == ("stage", schedule, "gspmd")
+    if not zero3:  # each stage holds its own two of the four blocks, split over "tensor" as lm1b declares
+        blocks = {k.replace("['", "").replace("']", "/").rstrip("/"): v for k, v in run["blocks"].items()}
+        stacked = "params/decoder/[encoderdecoderblock_0..encoderdecoderblock_3]"
+        assert blocks[f"{stacked}/MlpBlock_0/Dense_0/kernel"] == ((4, 32, 64), (2, 32, 32))
+        assert blocks[f"{stacked}/LayerNorm_0/scale"] == ((4, 32), (2, 32))
+    want, want_losses, gradients = run["reference"]
+    params, batch = nn.meta.unbox(run["variables"]), run["data"][0]
+    additions = rounding_chain(jax.grad(run["mean_loss"]), params, batch) + 8 + 4
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params,
+                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
+    assert_within(step.master_params(state), want, bounds[-1], what="lm1b params after 5 AdamW steps")
+    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+
+
+@pytest.mark.public_model
 def test_flax_imagenet_resnet_unchanged_trains_its_batch_stats_like_one_device(flax_source, cpu_devices):
     ex = _example("public_model_resnet")
     run = ex.main(["--flax", flax_source, "--steps", "4"])

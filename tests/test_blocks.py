@@ -1,0 +1,165 @@
+"""A list of identical blocks rerolled into a layer scan (``jax_drain._blocks``).
+
+In float64 on random parameters and data: the rerolled loss and its gradients equal the loss as
+written, within the rounding of the loss's own equations; the rerolled program runs the blocks
+as one ``scan`` over the stacked parameters; the carry is what the blocks hand on (the residual
+stream alone, for a pre-norm block); the stack keeps the blocks in the order the loss runs them;
+and what is not a chain of copies of one block is refused, saying why.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_drain import _blocks
+
+from helpers import assert_within
+
+EPS64 = 2.0 ** -52
+WIDTH, ROWS, LAYERS = 6, 5, 4
+
+
+def _block(p, x):
+    """A pre-norm residual block: a layer norm's statistics come before its first parameter."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    h = (x - mean) * jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-6) * p["norm"]
+    return x + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+def _params(seed=0, keys=None):
+    rng = np.random.default_rng(seed)
+    keys = list(range(LAYERS)) if keys is None else keys
+    block = lambda: {"norm": 1.0 + 0.1 * rng.normal(size=(WIDTH,)), "w1": rng.normal(size=(WIDTH, 2 * WIDTH)) / 3,
+                     "w2": rng.normal(size=(2 * WIDTH, WIDTH)) / 4}
+    return {"embed": rng.normal(size=(WIDTH, WIDTH)), "blocks": {k: block() for k in keys},
+            "head": rng.normal(size=(WIDTH, 3))}
+
+
+def _loss(params, x, order=None):
+    h = x @ params["embed"]
+    for k in (order or params["blocks"]):
+        h = _block(params["blocks"][k], h)
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def _x(seed=1):
+    return np.random.default_rng(seed).normal(size=(ROWS, WIDTH))
+
+
+def _bound(loss, params, x, value):
+    """The rounding of the loss's equations, in float64: each equation at most one rounding of
+    the largest magnitude it meets (the scan changes where XLA fuses, not what is computed)."""
+    equations = len(jax.make_jaxpr(loss)(params, x).jaxpr.eqns) + LAYERS * 16
+    return equations * EPS64 * max(1.0, float(np.max(np.abs(value))))
+
+
+def test_the_rerolled_loss_and_its_gradient_equal_the_loss_as_written():
+    with jax.enable_x64(True):
+        params, x = _params(), _x()
+        stack = _blocks.find_block_stack(_loss, params, x)
+        assert stack == _blocks.BlockStack(("blocks",), (0, 1, 2, 3))
+        stacked = stack.stack(params)
+        assert set(stacked["blocks"]) == {"[0..3]"}
+        assert stacked["blocks"]["[0..3]"]["w1"].shape == (LAYERS, WIDTH, 2 * WIDTH)
+        rerolled = _blocks.rerolled(_loss, stack)
+
+        # One scan over the stacked leaves, and no block written out beside it.
+        jaxpr = jax.make_jaxpr(rerolled)(stacked, x).jaxpr
+        scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        assert len(scans) == 1 and scans[0].params["length"] == LAYERS
+        assert sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) == 2  # embed and head
+        # The carry is the residual stream alone: the window starts at the block's norm statistics.
+        (carry,) = [v.aval.shape for v in scans[0].outvars]
+        assert carry == (ROWS, WIDTH)
+
+        want, want_grads = jax.value_and_grad(_loss)(params, x)
+        got, got_grads = jax.value_and_grad(rerolled)(stacked, x)
+        assert_within(got, want, _bound(_loss, params, x, want), what="loss")
+        for path, g in jax.tree_util.tree_leaves_with_path(stack.stack(want_grads)):
+            got_leaf = got_grads
+            for key in path:
+                got_leaf = got_leaf[key.key]
+            assert_within(got_leaf, g, _bound(_loss, params, x, g), what=jax.tree_util.keystr(path))
+        assert jax.tree.structure(stack.unstack(stacked)) == jax.tree.structure(params)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stack.unstack(stacked)),
+                                                         jax.tree.leaves(params)))
+
+
+def test_the_stack_follows_the_order_the_loss_runs_the_blocks():
+    """Linen names blocks ``block_0`` ... ``block_10``, which sort out of order: the stack takes
+    the loss's order, and the rerolled loss runs them in it."""
+    keys = [f"block_{i}" for i in range(11)]
+    order = keys[::-1][:4] + keys[:7]  # any order, as long as the loss runs them one after another
+    with jax.enable_x64(True):
+        params, x = _params(3, keys), _x()
+        loss = lambda p, x: _loss(p, x, order)  # noqa: E731
+        stack = _blocks.find_block_stack(loss, params, x)
+        assert stack.members == tuple(order)
+        assert stack.key == "[block_10..block_6]"
+        want = loss(params, x)
+        assert_within(_blocks.rerolled(loss, stack)(stack.stack(params), x), want, _bound(loss, params, x, want))
+
+
+def test_blocks_inside_a_jit_call_and_a_list_of_blocks_reroll():
+    with jax.enable_x64(True):
+        params, x = _params(), _x()
+        params["blocks"] = [params["blocks"][k] for k in range(LAYERS)]
+        loss = jax.jit(lambda p, x: _loss(p, x, range(LAYERS)))
+        stack = _blocks.find_block_stack(lambda p, x: loss(p, x) * 2, params, x)
+        assert stack == _blocks.BlockStack(("blocks",), (0, 1, 2, 3), in_list=True)
+        stacked = stack.stack(params)
+        assert stacked["blocks"]["w1"].shape == (LAYERS, WIDTH, 2 * WIDTH)  # the list becomes the stack
+        want = loss(params, x) * 2
+        got = _blocks.rerolled(lambda p, x: loss(p, x) * 2, stack)(stacked, x)
+        assert_within(got, want, _bound(loss, params, x, want))
+        assert isinstance(stack.unstack(stacked)["blocks"], list)
+
+
+def _tied(params, x):  # every block also reads block 0's first weight
+    h = x @ params["embed"]
+    for k in params["blocks"]:
+        p = dict(params["blocks"][k], w1=params["blocks"][k]["w1"] + params["blocks"][0]["w1"])
+        h = _block(p, h)
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def _two_back(params, x):  # each block adds the input of the block before it
+    h, before = x @ params["embed"], x @ params["embed"]
+    for k in params["blocks"]:
+        h, before = _block(params["blocks"][k], h) + before, h
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def _numbered(params, x):  # block i scales by i: the copies differ
+    h = x @ params["embed"]
+    for i, k in enumerate(params["blocks"]):
+        h = _block(params["blocks"][k], h) * (i + 1.0)
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def _every_output(params, x):  # what follows reads every block's output
+    h, outs = x @ params["embed"], []
+    for k in params["blocks"]:
+        h = _block(params["blocks"][k], h)
+        outs.append(h)
+    return jnp.mean((sum(outs) @ params["head"]) ** 2)
+
+
+@pytest.mark.parametrize("loss,match", [
+    (_tied, "reads block 0's parameters"),
+    (_two_back, "a value of block"),
+    (_numbered, "differs from block 0|different values"),
+    (_every_output, "not only of the last|a value of block"),
+])
+def test_what_is_not_a_chain_of_copies_is_refused_saying_why(loss, match):
+    params, x = _params(), _x()
+    with pytest.raises(_blocks.NotRerolled, match=match) as info:
+        _blocks.find_block_stack(loss, params, x)
+    assert "blocks/{0, 1, 2, 3}" in str(info.value)
+
+
+def test_a_tree_without_alike_subtrees_has_no_block_stack():
+    params = {"a": np.ones((2, 3)), "b": np.ones((3, 2))}
+    assert _blocks.block_candidates(params) == []
+    assert _blocks.find_block_stack(lambda p, x: jnp.sum(x @ p["a"] @ p["b"]), params, np.ones((4, 2))) is None
