@@ -132,28 +132,23 @@ def block_candidates(params: PyTree) -> list[BlockStack]:
 
 
 def find_block_stack(loss: Callable[[PyTree, Any], Any], params: PyTree, *args: Any) -> BlockStack | None:
-    """The largest group of identical blocks (:func:`block_candidates`) that ``loss(params,
-    *args)`` runs one after another as a rerollable chain, members in run order; ``None`` when
-    ``params`` has no such group. ``params`` and ``args`` may be ``jax.ShapeDtypeStruct``s.
+    """The largest group of identical blocks in ``params`` (:func:`block_candidates`), members
+    in the order ``loss(params, *args)`` runs them; ``None`` when ``params`` has no such group.
+    ``params`` and ``args`` may be ``jax.ShapeDtypeStruct``s.
 
-    Raises :class:`NotRerolled`, saying why for the largest group, where groups exist but the
-    loss runs none of them as a chain."""
+    Only the largest group is tried (a smaller one is a part of a block, not the stack): where
+    the loss does not run it as a chain of copies of one block, :class:`NotRerolled` says why."""
     candidates = block_candidates(params)
     if not candidates:
         return None
+    candidate = candidates[0]
     leaves, treedef = jax.tree.flatten(params)
     closed = jax.make_jaxpr(lambda ls, a: loss(jax.tree.unflatten(treedef, ls), *a))(leaves, args)
-    paths = _leaf_keys(params)
-    reasons = []
-    for candidate in candidates:
-        groups = _groups(candidate, paths, closed.jaxpr.invars)
-        try:
-            plan = _plan(closed.jaxpr, groups)
-        except NotRerolled as e:
-            reasons.append(f"{candidate.describe()}: {e}")
-            continue
-        return candidate._replace(members=tuple(candidate.members[i] for i in plan.order))
-    raise NotRerolled(reasons[0])
+    try:
+        plan = _plan(closed.jaxpr, _groups(candidate, _leaf_keys(params), closed.jaxpr.invars))
+    except NotRerolled as e:
+        raise NotRerolled(f"{candidate.describe()}: {e}", e.reached) from None
+    return candidate._replace(members=tuple(candidate.members[i] for i in plan.order))
 
 
 def rerolled(loss: Callable[..., Any], stack: BlockStack) -> Callable[..., Any]:
@@ -199,7 +194,7 @@ class _Plan(NamedTuple):
     # ("leaf", m) the block's leaf m, ("carry", slot), ("const", var) or ("literal", value).
     operands: list[list[tuple]]
     slots: list[tuple[int, int]]  # carried values: (equation, output) in a copy
-    init: list[Any]  # each slot's value entering the first copy: a var, or None (zeros: never read there)
+    init: list[Any]  # each slot's value entering the first copy: a var or literal, or None (zeros: never read there)
 
 
 def _groups(stack: BlockStack, paths: list[tuple], invars: Sequence[Any]) -> list[list[Any]]:
@@ -325,16 +320,15 @@ def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: d
         first = [classify(v, 0) for v in eqns[start + j].invars]
         row = []
         for p, kind in enumerate(first):
-            # (Literals: equal by the signatures already.)
             later = {_kind_key(classify(eqns[start + i * period + j].invars[p], i)) for i in range(1, count)}
             if len(later) != 1:
                 raise NotRerolled(f"blocks read different values at equation {j} of a block")
             (other,) = later
             if other == _kind_key(kind) and kind[0] != "carry":
                 row.append(kind)
-            elif other[0] == "carry" and kind[0] == "const":
-                slot = other[1:]
-                if init.setdefault(slot, kind[1]) is not kind[1]:
+            elif other[0] == "carry" and kind[0] in ("const", "literal"):  # a literal: a sum's 0 to start
+                slot, given = other[1:], eqns[start + j].invars[p]
+                if not _same_input(init.setdefault(slot, given), given):
                     raise NotRerolled("two values enter block 0 where the blocks after it read one")
                 if slot not in slots:
                     slots.append(slot)
@@ -354,8 +348,14 @@ def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: d
     return operands, slots, init
 
 
+def _same_input(a: Any, b: Any) -> bool:
+    if is_literal(a) and is_literal(b):
+        return repr(a.val) == repr(b.val) and _aval_key(a.aval) == _aval_key(b.aval)
+    return a is b
+
+
 def _kind_key(kind: tuple) -> tuple:
-    return kind[:1] if kind[0] == "literal" else kind
+    return ("literal", repr(kind[1])) if kind[0] == "literal" else kind
 
 
 def _read_after(v: Any, at: dict, leaf_of: dict, count: int, slots: list) -> None:
@@ -373,7 +373,9 @@ def _read_after(v: Any, at: dict, leaf_of: dict, count: int, slots: list) -> Non
 
 def _signature(eqn: Any) -> tuple:
     params = tuple(sorted((name, _param_key(value)) for name, value in eqn.params.items()))
-    ins = tuple(("literal", repr(v.val), _aval_key(v.aval)) if is_literal(v) else _aval_key(v.aval) for v in eqn.invars)
+    # Operands by shape and dtype alone: a literal may stand where the other copies read a value
+    # (the 0 a sum starts from; what each operand is, the chain check decides).
+    ins = tuple(_aval_key(v.aval)[:2] for v in eqn.invars)
     return (eqn.primitive.name, params, ins, tuple(_aval_key(v.aval) for v in eqn.outvars), frozenset(eqn.effects))
 
 
@@ -497,13 +499,20 @@ class _Replay:
                     local[(j, k)] = x
             return [local[s] for s in plan.slots], None
 
-        init = [read(v) if v is not None else jnp.zeros(first[j].outvars[k].aval.shape, first[j].outvars[k].aval.dtype)
-                for v, (j, k) in zip(plan.init, plan.slots)]
+        # A slot enters as its window's output is typed (a literal 0 is weakly typed).
+        init = [jnp.zeros(first[j].outvars[k].aval.shape, first[j].outvars[k].aval.dtype) if v is None
+                else _typed(read(v), first[j].outvars[k].aval) for v, (j, k) in zip(plan.init, plan.slots)]
         init = _compat.settle_carry(body, init, [_row(_abstract(x), 0) for x in self.stacked])
         final, _ = jax.lax.scan(body, init, list(self.stacked))
         last = plan.start + plan.period * (plan.count - 1)
         for (j, k), x in zip(plan.slots, final):
             env[eqns[last + j].outvars[k]] = x
+
+
+def _typed(x: Any, aval: Any) -> Any:
+    if getattr(jax.typeof(x), "weak_type", False) != getattr(aval, "weak_type", False) or jnp.dtype(x.dtype) != aval.dtype:
+        return jax.lax.convert_element_type(x, aval.dtype)
+    return x
 
 
 # -- trees ----------------------------------------------------------------------------------

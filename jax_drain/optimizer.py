@@ -160,7 +160,7 @@ class FlatView:
     norm_axes: tuple[str, ...]
     manual: bool = True
     #: A list of the model's blocks that ``params`` holds stacked (a
-    #: :class:`~jax_drain._blocks.BlockStack`): masks are the model's, read on its own tree.
+    #: ``jax_drain._blocks.BlockStack``): masks are the model's, read on its own tree.
     stacking: Any = None
 
     def __eq__(self, other: object) -> bool:

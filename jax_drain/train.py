@@ -1264,7 +1264,7 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
     tensor-parallel specs (given or declared), ``tensor_parallel`` the resolved mode: the stage
     axis is manual in both, so with ``"gspmd"`` XLA partitions each stage's layers over the
     model axes. A list of identical blocks is stacked first (the step then holds the stacked
-    tree; the model's own is the stack's :meth:`~jax_drain._blocks.BlockStack.unstack`)."""
+    tree; the model's own is the stack's ``jax_drain._blocks.BlockStack.unstack``)."""
     stage = config.stage_axis
     if example_batch is None:
         raise ValueError("stage_axis: give make_train_step an example_batch, so that the loss is traced to find the "

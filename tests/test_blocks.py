@@ -101,6 +101,26 @@ def test_the_stack_follows_the_order_the_loss_runs_the_blocks():
         assert_within(_blocks.rerolled(loss, stack)(stack.stack(params), x), want, _bound(loss, params, x, want))
 
 
+def test_a_value_the_blocks_sum_from_a_literal_zero_is_carried():
+    """``aux = 0.0; aux = aux + block_aux``: block 0 reads a literal where the others read the sum so far."""
+
+    def loss(params, x):
+        h, aux = x @ params["embed"], 0.0
+        for k in params["blocks"]:
+            h = _block(params["blocks"][k], h)
+            aux = aux + jnp.mean(h ** 2)
+        return jnp.mean((h @ params["head"]) ** 2) + aux
+
+    with jax.enable_x64(True):
+        params, x = _params(), _x()
+        stack = _blocks.find_block_stack(loss, params, x)
+        rerolled = _blocks.rerolled(loss, stack)
+        (scan,) = [e for e in jax.make_jaxpr(rerolled)(stack.stack(params), x).jaxpr.eqns if e.primitive.name == "scan"]
+        assert sorted(v.aval.shape for v in scan.outvars) == [(), (ROWS, WIDTH)]
+        want = loss(params, x)
+        assert_within(rerolled(stack.stack(params), x), want, _bound(loss, params, x, want))
+
+
 def test_blocks_inside_a_jit_call_and_a_list_of_blocks_reroll():
     with jax.enable_x64(True):
         params, x = _params(), _x()
