@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -49,8 +50,13 @@ class BlockStack(NamedTuple):
 
     @property
     def key(self) -> str:
-        """The stacked subtree's key under ``parent``: ``"[first..last]"`` of the run order."""
-        return f"[{self.members[0]}..{self.members[-1]}]"
+        """The stacked subtree's key under ``parent``, naming the members in run order (what
+        :func:`members_of_key` reads back): ``"[0..7]"`` or ``"[block_0..block_7]"`` for a
+        numbered run, else ``"[a,b,c]"``."""
+        names = [str(m) for m in self.members]
+        if _numbered(names[0]) and _members_of_range(names[0], names[-1]) == names:
+            return f"[{names[0]}..{names[-1]}]"
+        return "[" + ",".join(names) + "]"
 
     def describe(self) -> str:
         """``"blocks/{0, 1, 2}"``-style: the parent's path and the members."""
@@ -87,6 +93,81 @@ class BlockStack(NamedTuple):
         """The stacked subtree of a stacked ``tree``."""
         parent = _get(tree, self.parent)
         return parent if self.in_list else parent[self.key]
+
+
+def members_of_key(segment: str) -> list[str] | None:
+    """The members (as path segments, in run order) a stacked key (:attr:`BlockStack.key`)
+    names; ``None`` for a segment that is not one."""
+    if len(segment) < 3 or segment[0] != "[" or segment[-1] != "]":
+        return None
+    inner = segment[1:-1]
+    if ".." in inner and "," not in inner:
+        first, last = inner.split("..", 1)
+        return _members_of_range(first, last)
+    names = inner.split(",")
+    return names if len(names) > 1 and all(names) else None
+
+
+def _numbered(name: str) -> re.Match | None:
+    return re.fullmatch(r"(.*?)(\d+)", name)
+
+
+def _members_of_range(first: str, last: str) -> list[str] | None:
+    a, b = _numbered(first), _numbered(last)
+    if not a or not b or a.group(1) != b.group(1) or int(b.group(2)) <= int(a.group(2)):
+        return None
+    return [f"{a.group(1)}{n}" for n in range(int(a.group(2)), int(b.group(2)) + 1)]
+
+
+class BlockPaths:
+    """Leaf paths of one tree in the terms of another (``"/"``-joined), where one holds a list
+    of blocks stacked (``a/[0..3]/b``) and the other the blocks one by one (``a/0/b`` ...
+    ``a/3/b``): how a checkpoint moves between a stage axis's stacked blocks and the model's.
+
+    ``have``: the paths that exist. :meth:`source` says where a wanted path's values are."""
+
+    def __init__(self, have: Sequence[str]):
+        self.have = set(have)
+        self._stacked: dict[tuple[str, str], tuple[str, list[str]]] = {}
+        for path in have:
+            parts = path.split("/")
+            for k, segment in enumerate(parts):
+                members = members_of_key(segment)
+                if members:
+                    self._stacked["/".join(parts[:k]), "/".join(parts[k + 1:])] = (path, members)
+
+    def source(self, path: str) -> tuple | None:
+        """``("same", path)``; ``("row", stacked path, i)``: row ``i`` of a stacked leaf;
+        ``("stack", member paths)``: the members' leaves stacked; ``None``: not there."""
+        if path in self.have:
+            return ("same", path)
+        parts = path.split("/")
+        for k, segment in enumerate(parts):
+            prefix, suffix = "/".join(parts[:k]), "/".join(parts[k + 1:])
+            stacked = self._stacked.get((prefix, suffix))
+            if stacked is not None and segment in stacked[1]:
+                return ("row", stacked[0], stacked[1].index(segment))
+            members = members_of_key(segment)
+            if members:
+                paths = ["/".join([*parts[:k], m, *parts[k + 1:]]) for m in members]
+                if all(p in self.have for p in paths):
+                    return ("stack", paths)
+        return None
+
+    @staticmethod
+    def expanded(shapes: dict[str, Any]) -> dict[str, Any]:
+        """``{path: (shape, *rest)}`` with each stacked leaf given as its members' rows."""
+        out = {}
+        for path, (shape, *rest) in shapes.items():
+            parts = path.split("/")
+            stacked = [(k, members_of_key(seg)) for k, seg in enumerate(parts) if members_of_key(seg)]
+            if not stacked or not shape or len(stacked[0][1]) != shape[0]:
+                out[path] = (tuple(shape), *rest)
+                continue
+            k, members = stacked[0]
+            for m in members:
+                out["/".join([*parts[:k], m, *parts[k + 1:]])] = (tuple(shape[1:]), *rest)
+        return out
 
 
 class NotRerolled(ValueError):
@@ -145,7 +226,7 @@ def find_block_stack(loss: Callable[[PyTree, Any], Any], params: PyTree, *args: 
     leaves, treedef = jax.tree.flatten(params)
     closed = jax.make_jaxpr(lambda ls, a: loss(jax.tree.unflatten(treedef, ls), *a))(leaves, args)
     try:
-        plan = _plan(closed.jaxpr, _groups(candidate, _leaf_keys(params), closed.jaxpr.invars))
+        plan = _plan(closed.jaxpr, closed.consts, _groups(candidate, _leaf_keys(params), closed.jaxpr.invars))
     except NotRerolled as e:
         raise NotRerolled(f"{candidate.describe()}: {e}", e.reached) from None
     return candidate._replace(members=tuple(candidate.members[i] for i in plan.order))
@@ -207,16 +288,17 @@ def _groups(stack: BlockStack, paths: list[tuple], invars: Sequence[Any]) -> lis
     return [by_member[m] for m in stack.members]
 
 
-def _plan(jaxpr: Any, groups: list[list[Any]]) -> _Plan:
-    """The rerolling plan of ``groups`` in ``jaxpr`` (through plain calls holding every copy)."""
+def _plan(jaxpr: Any, consts: Sequence[Any], groups: list[list[Any]]) -> _Plan:
+    """The rerolling plan of ``groups`` in ``jaxpr`` (through plain calls holding every copy);
+    ``consts``: the values of its constvars."""
     eqns = jaxpr.eqns
     first = _first_reads(jaxpr, groups)
     holder = _holder(jaxpr, groups)
     if holder is not None:
         eqn = eqns[holder]
-        inner = call_body(eqn, PLAIN_CALLS)[0]
+        inner, inner_consts = call_body(eqn, PLAIN_CALLS)
         where = {v: k for k, v in enumerate(eqn.invars) if not is_literal(v)}
-        return _plan(inner, [[inner.invars[where[v]] for v in vars_] for vars_ in groups])
+        return _plan(inner, inner_consts, [[inner.invars[where[v]] for v in vars_] for vars_ in groups])
     if len(set(first.values())) == 1:
         raise NotRerolled(f"one {eqns[first[0]].primitive.name!r} reads every block's parameters")
     order = sorted(range(len(groups)), key=lambda g: first[g])
@@ -228,13 +310,15 @@ def _plan(jaxpr: Any, groups: list[list[Any]]) -> _Plan:
     ordered = [groups[g] for g in order]
     leaf_of = {v: (i, m) for i, vars_ in enumerate(ordered) for m, v in enumerate(vars_)}
     signatures = [_signature(e) for e in eqns]
+    # Constants alike in value are one: each block may hold its own copy (a rotary table).
+    values = {v: _const_key(c) for v, c in zip(jaxpr.constvars, consts)}
     best, refusal = None, NotRerolled("no window of equations repeats once per block")
     for offset in range(period):
         start = starts[0] - offset
         if start < 0 or start + period * len(groups) > len(eqns):
             continue
         try:
-            plan = _check(jaxpr, start, period, len(groups), signatures, leaf_of, order)
+            plan = _check(jaxpr, start, period, len(groups), signatures, leaf_of, order, values)
         except NotRerolled as e:  # the window that got furthest says why
             refusal = e if e.reached >= refusal.reached else refusal
             continue
@@ -270,7 +354,7 @@ def _holder(jaxpr: Any, groups: list[list[Any]]) -> int | None:
 
 
 def _check(jaxpr: Any, start: int, period: int, count: int, signatures: list, leaf_of: dict,
-           order: list[int]) -> _Plan:
+           order: list[int], values: dict) -> _Plan:
     eqns = jaxpr.eqns
     at: dict[Any, tuple[int, int, int]] = {}  # var -> (copy, equation, output)
     for j in range(period):
@@ -283,13 +367,14 @@ def _check(jaxpr: Any, start: int, period: int, count: int, signatures: list, le
                 at[v] = (i, j, k)
 
     try:
-        operands, slots, init = _chain(jaxpr, start, period, count, at, leaf_of)
+        operands, slots, init = _chain(jaxpr, start, period, count, at, leaf_of, values)
     except NotRerolled as e:  # the copies are alike: how they are chained is the reason
         raise NotRerolled(str(e), period + 1) from None
     return _Plan(order, start, period, count, operands, slots, [init.get(s) for s in slots])
 
 
-def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: dict) -> tuple[list, list, dict]:
+def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: dict,
+           values: dict) -> tuple[list, list, dict]:
     """What each operand of the first copy stands for, the carried slots and their values
     entering the first copy; raises where the copies are not a chain."""
     eqns = jaxpr.eqns
@@ -320,11 +405,11 @@ def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: d
         first = [classify(v, 0) for v in eqns[start + j].invars]
         row = []
         for p, kind in enumerate(first):
-            later = {_kind_key(classify(eqns[start + i * period + j].invars[p], i)) for i in range(1, count)}
+            later = {_kind_key(classify(eqns[start + i * period + j].invars[p], i), values) for i in range(1, count)}
             if len(later) != 1:
                 raise NotRerolled(f"blocks read different values at equation {j} of a block")
             (other,) = later
-            if other == _kind_key(kind) and kind[0] != "carry":
+            if other == _kind_key(kind, values) and kind[0] != "carry":
                 row.append(kind)
             elif other[0] == "carry" and kind[0] in ("const", "literal"):  # a literal: a sum's 0 to start
                 slot, given = other[1:], eqns[start + j].invars[p]
@@ -354,8 +439,12 @@ def _same_input(a: Any, b: Any) -> bool:
     return a is b
 
 
-def _kind_key(kind: tuple) -> tuple:
-    return ("literal", repr(kind[1])) if kind[0] == "literal" else kind
+def _kind_key(kind: tuple, values: dict) -> tuple:
+    if kind[0] == "literal":
+        return ("literal", repr(kind[1]))
+    if kind[0] == "const" and kind[1] in values:
+        return ("constant", values[kind[1]])
+    return kind
 
 
 def _read_after(v: Any, at: dict, leaf_of: dict, count: int, slots: list) -> None:
@@ -458,7 +547,7 @@ class _Replay:
                     outs = self._bind(eqn, [read(v) for v in eqn.invars])
                 env.update(zip(eqn.outvars, outs))
             return [read(v) for v in jaxpr.outvars]
-        plan = _plan(jaxpr, self.groups)
+        plan = _plan(jaxpr, consts, self.groups)
         if plan.order != list(range(len(self.groups))):
             raise NotRerolled("the loss runs the blocks in another order than when the step was built")
         end = plan.start + plan.period * plan.count

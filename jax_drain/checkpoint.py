@@ -78,6 +78,7 @@ except ImportError:  # not on Windows: saves there are serialised within a proce
 import jax
 import numpy as np
 
+from jax_drain._blocks import BlockPaths
 from jax_drain._host_layout import param_placements, read_param, write_param
 from jax_drain._relayout import LocalBlocks, SavedArrays, UnreadableArray, verify_parts
 from jax_drain.feedback import ErrorFeedback
@@ -797,8 +798,9 @@ def _moved(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: di
     for move in (_relaid, _repacked, _feedback_restarted, _params_moved):
         for paths in move(saved, wanted, source, targets):
             arrays.update((path, targets.pop(path).array()) for path in paths)
-    for path, blocks in list(targets.items()):  # the leaves kept as saved
-        blocks.fill(lambda index, path=path: source.read(path, index))
+    saved_paths = BlockPaths([path for _, path, *_ in saved["leaves"]])
+    for path, blocks in list(targets.items()):  # the leaves kept as saved (stacked blocks: row by row)
+        blocks.fill(lambda index, path=path: _read_leaf(source, saved_paths.source(path), index))
         arrays[path] = targets.pop(path).array()
     return [arrays[path] for _, path, *_ in wanted["leaves"]]
 
@@ -924,11 +926,56 @@ def _move_params(reads: dict[str, Any], writes: dict[str, Any], source: SavedArr
                  targets: dict[str, LocalBlocks], tos: list[str]) -> None:
     """Each parameter from the saved shard arrays ``froms`` (laid out as ``reads`` says) into
     the target's ``tos`` (as ``writes`` says), read only where this process holds a block."""
-    for param, placement in writes.items():
+    value = _WholeParams(reads, lambda param: read_param(reads[param],
+                                                         lambda i, lo, hi: source.read_last(froms[i], lo, hi)))
+    for param in value.in_read_order(writes):
+        placement = writes[param]
         if not any(targets[tos[run.array]].holds(run.lo, run.hi) for block in placement.blocks for run in block.runs):
             continue
-        value = read_param(reads[param], lambda i, lo, hi: source.read_last(froms[i], lo, hi))
-        write_param(placement, value, lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
+        write_param(placement, value(param), lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
+
+
+class _WholeParams:
+    """``value(param)``: a saved parameter's whole array by the target's path, built where the
+    two hold a list of blocks in different forms (``jax_drain._blocks.BlockPaths``): a stacked
+    parameter's row, or the blocks' parameters stacked. ``read(saved path)`` reads one; the last
+    stacked one read is kept, so that taking its rows one after another reads it once."""
+
+    def __init__(self, saved: Any, read: Any):
+        self.paths, self.read = BlockPaths(list(saved)), read
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def in_read_order(self, params: Any) -> list[str]:
+        """``params`` with the rows of one stacked parameter next to each other."""
+        def key(param: str) -> str:
+            how = self.paths.source(param)
+            return how[1] if how is not None and how[0] == "row" else param
+        return sorted(params, key=key)
+
+    def __call__(self, param: str) -> np.ndarray:
+        how = self.paths.source(param)
+        if how is None:
+            raise KeyError(param)
+        if how[0] == "same":
+            return self.read(param)
+        if how[0] == "stack":
+            return np.stack([self.read(p) for p in how[1]])
+        if self._last is None or self._last[0] != how[1]:
+            self._last = (how[1], self.read(how[1]))
+        return self._last[1][how[2]]
+
+
+def _read_leaf(source: SavedArrays, how: tuple | None, index: tuple) -> np.ndarray:
+    """``array[index]`` of a target leaf from the saved leaves, as ``BlockPaths.source`` gives
+    ``how`` (the same leaf, a row of a stacked one, or the blocks' leaves stacked)."""
+    if how is None:  # pragma: no cover - _same_model refused it before
+        raise CheckpointMismatchError(f"the checkpoint has no leaf for index {index}")
+    if how[0] == "same":
+        return source.read(how[1], index)
+    if how[0] == "row":
+        return source.read(how[1], (how[2], *index))
+    rows = range(len(how[1]))[index[0]] if index else range(len(how[1]))
+    return np.stack([source.read(how[1][r], tuple(index[1:])) for r in rows])
 
 
 def _repacked(saved: dict[str, Any], wanted: dict[str, Any], source: SavedArrays,
@@ -1041,14 +1088,16 @@ def _params_moved(saved: dict[str, Any], wanted: dict[str, Any], source: SavedAr
                          param_placements(json.loads(new["description"])), source, froms, targets, tos)
         elif new is not None:  # replicated parameters saved, ZeRO-3 shards wanted
             writes = param_placements(json.loads(new["description"]))
-            for path in froms:
-                write_param(writes[path[len(root) + 1:]], source.read(path),
-                            lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
+            value = _WholeParams([p[len(root) + 1:] for p in froms], lambda p: source.read(f"{root}/{p}"))
+            for param in value.in_read_order(writes):
+                write_param(writes[param], value(param), lambda i, lo, hi, v: targets[tos[i]].write_last(lo, hi, v))
         else:  # ZeRO-3 shards saved, replicated parameters wanted
             reads = param_placements(json.loads(old["description"]))
-            for path in tos:
-                value = read_param(reads[path[len(root) + 1:]], lambda i, lo, hi: source.read_last(froms[i], lo, hi))
-                targets[path].fill(lambda index, value=value: value[index])
+            value = _WholeParams(reads, lambda p: read_param(reads[p],
+                                                             lambda i, lo, hi: source.read_last(froms[i], lo, hi)))
+            for param in value.in_read_order([p[len(root) + 1:] for p in tos]):
+                whole = value(param)
+                targets[f"{root}/{param}"].fill(lambda index, whole=whole: whole[index])
         yield tos
 
 
@@ -1105,9 +1154,12 @@ def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
         shards |= {p for root in roots for p in _under(description, root)}
         return {path: (tuple(shape), dtype) for _, path, shape, dtype in description["leaves"] if path not in shards}
 
-    return (plain(a) == plain(b) and _shard_sets(a).keys() == _shard_sets(b).keys()
+    # A list of blocks stacked by a stage axis is the same model as the blocks one by one.
+    same = lambda x, y: BlockPaths.expanded(x) == BlockPaths.expanded(y)  # noqa: E731
+    shapes = lambda d, root: {k: (v,) for k, v in _param_shapes(d, root).items()}  # noqa: E731
+    return (same(plain(a), plain(b)) and _shard_sets(a).keys() == _shard_sets(b).keys()
             and [x["path"] for x in a["layouts"]] == [x["path"] for x in b["layouts"]]
-            and all(_param_shapes(a, root) == _param_shapes(b, root) for root in roots))
+            and all(same(shapes(a, root), shapes(b, root)) for root in roots))
 
 
 def _check_movable(directory: pathlib.Path, step: int, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
@@ -1389,15 +1441,6 @@ def _array_keys(paths: list[str]) -> list[str]:
     return keys
 
 
-#: The path of a list of blocks a stage axis stacked (``jax_drain._blocks.BlockStack.key``), in
-#: a description's JSON: a leaf's path, or a parameter's in a bucket layout.
-_STACKED_BLOCKS = re.compile(r'[^"/]*/\[[^"/\]]+\.\.[^"/\]]+\]')
-
-
-def _stacked_blocks(description: dict[str, Any]) -> set[str]:
-    return set(_STACKED_BLOCKS.findall(json.dumps(description)))
-
-
 def _differences(saved: dict[str, Any], wanted: dict[str, Any], limit: int = 6) -> str:
     """A short human-readable diff of two state descriptions."""
     have = {path: (shape, dtype) for _, path, shape, dtype in saved["leaves"]}
@@ -1415,12 +1458,6 @@ def _differences(saved: dict[str, Any], wanted: dict[str, Any], limit: int = 6) 
             notes.append(f"{path!r} is {d1}{s1} in the checkpoint, {d2}{s2} here")
             if len(notes) >= limit:
                 break
-    stacked = sorted(_stacked_blocks(saved) ^ _stacked_blocks(wanted))
-    if stacked:
-        notes.append(f"{stacked[0]!r} is a list of blocks a stage axis stacked ([first..last]); a checkpoint moves "
-                     "between stage counts of the stacked blocks, not yet between them and the blocks one by one: "
-                     "restore it onto a stage axis, and read the model's own tree with step.master_params or "
-                     "step.update_model")
     have_layouts = [x["fingerprint"] for x in saved["layouts"]]
     want_layouts = [x["fingerprint"] for x in wanted["layouts"]]
     if have_layouts != want_layouts:

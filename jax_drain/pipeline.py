@@ -797,6 +797,7 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any, *, loc
 
         (layers, constants, carry, side), enter_pull = _vjp_inexact(enter, leaves)
         stage_fn = captured[-1].stage_fn
+        fixed = _fixed_constants(enter, leaves, constants)
         micro_batch = traced.split(batch)
 
         # The loss after the stack, on one micro-batch: the loss at its rows, the stack's output
@@ -820,11 +821,16 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any, *, loc
         probe = jax.make_jaxpr(lambda ps, y: head_of(every)(ps, y, jnp.int32(0))[0])(
             base, [x[0] for x in inputs])
         read = [k for k, used in zip(every, _jaxpr.used_inputs(probe.jaxpr)) if used and _inexact(leaves[k])]
-        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, p[1]),
-                             _vary_inexact((layers, constants), traced.axis), inputs, head_of(read),
+        # A complex constant no parameter reaches (a rotary table) is closed over, not differentiated.
+        kept = [None if f else c for c, f in zip(constants, fixed)]
+        closed = [c if f else None for c, f in zip(constants, fixed)]
+        with_closed = lambda cs: [k if f else c for c, k, f in zip(cs, closed, fixed)]  # noqa: E731
+        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, with_closed(p[1])),
+                             _vary_inexact((layers, kept), traced.axis), inputs, head_of(read),
                              [base[k] for k in read], axis=traced.axis, side=traced.split(side) if side else None,
                              accum_dtype=accum_dtype, lockstep=lockstep)
         d_layers, d_constants = result.stage_grads
+        d_constants = [jnp.zeros_like(c) if f else d for c, d, f in zip(constants, d_constants, fixed)]
         d_side = traced.scatter(result.side_grads) if side else side
         (d_enter,) = enter_pull((d_layers, d_constants, traced.scatter(result.input_grads), d_side))
         grads = [_transpose_cast(g, x) if _inexact(x) else g for g, x in zip(d_enter, leaves)]
@@ -847,6 +853,20 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any, *, loc
         return value
     inputs = [*traced.leaves, *traced.batch]  # the state handed back is inputs, unchanged
     return value, jax.tree.unflatten(jax.tree.structure(state), [inputs[k] for k in state_at])
+
+
+def _fixed_constants(enter: Callable[[list], tuple], leaves: list, constants: list) -> list[bool]:
+    """Which of the stack's ``constants`` (``enter(leaves)[1]``) are complex and reached by no
+    floating parameter: 1F1B closes over them. (Differentiated, a complex constant's cotangent
+    loses its varying type in jax's transpose.) One that a parameter reaches is refused."""
+    complex_at = [k for k, c in enumerate(constants) if jnp.issubdtype(c.dtype, jnp.complexfloating)]
+    if not complex_at:
+        return [False] * len(constants)
+    probe = jax.make_jaxpr(lambda ls: [enter(ls)[1][k] for k in complex_at])(leaves)
+    if any(used and _inexact(x) for used, x in zip(_jaxpr.used_inputs(probe.jaxpr), leaves)):
+        raise ValueError("pipelined: the layer scan reads a complex value computed from the parameters; the 1f1b "
+                         "schedules differentiate real values only: use pipeline_schedule='gpipe'")
+    return [k in complex_at for k in range(len(constants))]
 
 
 def leaf_paths_of(params: PyTree) -> list[str]:

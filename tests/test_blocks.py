@@ -96,7 +96,11 @@ def test_the_stack_follows_the_order_the_loss_runs_the_blocks():
         loss = lambda p, x: _loss(p, x, order)  # noqa: E731
         stack = _blocks.find_block_stack(loss, params, x)
         assert stack.members == tuple(order)
-        assert stack.key == "[block_10..block_6]"
+        assert stack.key == "[" + ",".join(order) + "]"  # not a numbered run: every member named
+        assert _blocks.members_of_key(stack.key) == order
+        assert _blocks.members_of_key("[block_0..block_3]") == ["block_0", "block_1", "block_2", "block_3"]
+        assert _blocks.members_of_key("[0..3]") == ["0", "1", "2", "3"]
+        assert _blocks.members_of_key("[x]") is None and _blocks.members_of_key("kernel") is None
         want = loss(params, x)
         assert_within(_blocks.rerolled(loss, stack)(stack.stack(params), x), want, _bound(loss, params, x, want))
 
@@ -119,6 +123,27 @@ def test_a_value_the_blocks_sum_from_a_literal_zero_is_carried():
         assert sorted(v.aval.shape for v in scan.outvars) == [(), (ROWS, WIDTH)]
         want = loss(params, x)
         assert_within(rerolled(stack.stack(params), x), want, _bound(loss, params, x, want))
+
+
+def _with_table(params, x, per_block=False):
+    """Each block builds its own copy of a table (EasyLM's rotary ``freqs_cis``): one constant per block."""
+    h = x @ params["embed"]
+    for i, k in enumerate(params["blocks"]):
+        table = np.linspace(0.5, 1.5, WIDTH) * (i + 1 if per_block else 1)
+        h = _block(params["blocks"][k], h) * table
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+def test_blocks_holding_equal_constants_reroll_and_unequal_ones_are_refused():
+    with jax.enable_x64(True):
+        params, x = _params(), _x()
+        stack = _blocks.find_block_stack(_with_table, params, x)
+        assert len(jax.make_jaxpr(_with_table)(params, x).consts) == LAYERS  # a copy per block
+        want = _with_table(params, x)
+        assert_within(_blocks.rerolled(_with_table, stack)(stack.stack(params), x), want,
+                      _bound(_with_table, params, x, want))
+        with pytest.raises(_blocks.NotRerolled, match="different values"):
+            _blocks.find_block_stack(lambda p, x: _with_table(p, x, per_block=True), params, x)
 
 
 def test_blocks_inside_a_jit_call_and_a_list_of_blocks_reroll():
@@ -183,3 +208,18 @@ def test_a_tree_without_alike_subtrees_has_no_block_stack():
     params = {"a": np.ones((2, 3)), "b": np.ones((3, 2))}
     assert _blocks.block_candidates(params) == []
     assert _blocks.find_block_stack(lambda p, x: jnp.sum(x @ p["a"] @ p["b"]), params, np.ones((4, 2))) is None
+
+
+def test_block_paths_find_a_leaf_in_the_other_form():
+    """How a checkpoint moves between stacked blocks and the blocks one by one."""
+    stacked = _blocks.BlockPaths(["params/blocks/[0..2]/w", "params/head"])
+    assert stacked.source("params/head") == ("same", "params/head")
+    assert stacked.source("params/blocks/1/w") == ("row", "params/blocks/[0..2]/w", 1)
+    assert stacked.source("params/blocks/3/w") is None
+    one_by_one = _blocks.BlockPaths([f"params/blocks/{i}/w" for i in range(3)])
+    assert one_by_one.source("params/blocks/[0..2]/w") == ("stack", [f"params/blocks/{i}/w" for i in range(3)])
+    assert one_by_one.source("params/blocks/[0..3]/w") is None  # a block it does not have
+    named = _blocks.BlockPaths(["d/[b_2,b_0,b_1]/k"])
+    assert named.source("d/b_0/k") == ("row", "d/[b_2,b_0,b_1]/k", 1)  # the run order, not the names'
+    assert _blocks.BlockPaths.expanded({"a/[0..1]/w": ((2, 3), "f32"), "h": ((4,), "f32")}) == {
+        "a/0/w": ((3,), "f32"), "a/1/w": ((3,), "f32"), "h": ((4,), "f32")}

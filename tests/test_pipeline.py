@@ -23,7 +23,8 @@ import jax_drain as jd
 from jax_drain import models, pipeline as pp
 
 from helpers import (
-    EPS32, adam_rounding_bounds, assert_within, assert_within_rounding, reference_run, rounding_chain, sgd_rounding_bounds, train_on,
+    EPS32, adam_rounding_bounds, assert_within, assert_within_rounding, reference_run, rounding_bound, rounding_chain,
+    sgd_rounding_bounds, train_on,
 )
 
 LAYERS, WIDTH, ROWS = 8, 16, 3  # ROWS: rows of the batch on each device
@@ -432,6 +433,61 @@ def test_a_row_mask_the_scan_reads_travels_with_its_rows():
     assert_within_rounding(jax.tree.map(np.asarray, grads), want_grads, additions=additions, what="gradients")
 
 
+_TURNS = np.exp(1j * np.linspace(0.0, np.pi, WIDTH))  # a rotary-style table: a complex constant
+
+
+def _rotary_loss(params, batch, turns=_TURNS):
+    """A stack whose layers turn the activations by a complex table held outside the parameters."""
+    table = jnp.asarray(turns, jnp.complex128 if batch["x"].dtype == jnp.float64 else jnp.complex64)
+
+    def layer_(h, w):
+        return jnp.tanh(jnp.real((h @ w).astype(table.dtype) * table)), None
+
+    h = jax.lax.scan(layer_, batch["x"], params["layers"])[0]
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_complex_constant_the_layers_read_pipes_in_both_schedules(schedule):
+    """1F1B differentiates its stage by hand: a complex table no parameter reaches is held as a
+    constant; the gradients equal the float64 model's. A complex value a parameter reaches is
+    refused there (GPipe, jax's own gradient, takes it)."""
+    rng = np.random.default_rng(4)
+    params = {"layers": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32),
+              "head": jnp.asarray(rng.normal(size=(WIDTH, 2)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32)}
+    specs = {"layers": P("stage"), "head": P()}
+
+    def run(loss):
+        piped = pp.pipelined(loss, {"layers": True, "head": False}, axis="stage", microbatches=6, schedule=schedule)
+
+        @jax.jit
+        @jax.shard_map(mesh=_mesh((2, 4)), in_specs=(specs, P(("data", "stage"))), out_specs=(P(), specs))
+        def step(p, b):
+            value, grads = jax.value_and_grad(piped)(p, b)
+            return jax.lax.psum(value, ("data", "stage")) / 8, jax.tree.map(lambda g: g / 8, grads)
+
+        return step(params, batch)
+
+    value, grads = run(_rotary_loss)
+    with jax.enable_x64(True):
+        want_value, want_grads = jax.value_and_grad(_rotary_loss)(
+            jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params), {"x": jnp.asarray(batch["x"], jnp.float64)})
+        want_grads = jax.tree.map(np.asarray, want_grads)
+    additions = rounding_chain(jax.grad(_rotary_loss), params, batch)
+    assert abs(float(value) - float(want_value)) <= additions * EPS32 * float(want_value)
+    assert_within_rounding(jax.tree.map(np.asarray, grads), want_grads, additions=additions, what="gradients")
+
+    def reached(p, b):  # the table turned by the head's first weight: a parameter reaches it
+        return _rotary_loss(p, b, turns=jnp.exp(1j * p["head"][0, 0] * jnp.asarray(np.angle(_TURNS))))
+
+    if schedule == "gpipe":
+        assert np.isfinite(float(run(reached)[0]))
+    else:
+        with pytest.raises(ValueError, match="a complex value computed from the parameters"):
+            run(reached)
+
+
 @pytest.mark.parametrize("loss,match", [
     (lambda p, b: (lambda s: jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * s, None), b["x"],
                                                    p["layers"])[0]))(jnp.mean(b["x"])),
@@ -522,8 +578,8 @@ def test_a_list_of_blocks_is_stacked_over_the_stages_and_trains_like_one_device(
     stage's blocks on that stage, trains like one-device optax within the rounding of its
     gradients, with AdamW's weight-decay mask read on the model's own tree (by ``ndim``: a
     block's norm scale is 1-D there, 2-D stacked), gives the model its own tree back, and
-    restores a checkpoint bit for bit and onto another stage count; onto the blocks one by one
-    it is refused, saying why."""
+    restores a checkpoint bit for bit, onto another stage count, onto the blocks one by one
+    without a stage axis (with the other ZeRO stage) and back."""
     config = dataclasses.replace(_gpt(jnp.float32), scan_layers=False)
     LR, WD = 1e-2, 0.5
     decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731 - kernels and embeddings
@@ -566,9 +622,22 @@ def test_a_list_of_blocks_is_stacked_over_the_stages_and_trains_like_one_device(
     moved, _ = jd.restore_checkpoint(tmp_path / "ckpt", other.abstract_state())
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(other.master_params(moved))),
                                                     jax.tree.leaves(restored_params)))
-    _, flat = build(None, stage=False)
-    with pytest.raises(jd.CheckpointMismatchError, match=r"blocks/\[0\.\.3\].*a list of blocks a stage axis stacked"):
-        jd.restore_checkpoint(tmp_path / "ckpt", flat.abstract_state())
+    # To the blocks one by one (no stage axis) and back: the parameters bit for bit, the step runs on.
+    _, flat = build(None, stage=False, shard_params=not shard_params)
+    unstacked, _ = jd.restore_checkpoint(tmp_path / "ckpt", flat.abstract_state())
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(flat.master_params(unstacked))),
+                                                    jax.tree.leaves(restored_params)))
+    unstacked, metrics = flat(unstacked, batches[STEPS])
+    # The same loss at the same parameters, summed in another order: within its forward's rounding
+    # (a cross entropy of positive terms: the loss is their magnitude).
+    forward = rounding_chain(loss_fn, params, batches[STEPS]) + 8 + 4
+    assert abs(float(metrics.loss) - continued) <= rounding_bound(forward, abs(continued))
+    jd.save_checkpoint(tmp_path / "flat", unstacked)
+    _, again = build(shape)
+    back, _ = jd.restore_checkpoint(tmp_path / "flat", again.abstract_state())
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again.master_params(back))),
+                                                    jax.tree.leaves(flat.master_params(unstacked))))
+    assert np.isfinite(float(again(back, batches[STEPS + 1])[1].loss))
 
 
 def test_a_list_of_blocks_the_stages_cannot_run_stacked_is_refused_saying_why():
