@@ -407,7 +407,10 @@ def _chain(jaxpr: Any, start: int, period: int, count: int, at: dict, leaf_of: d
         for p, kind in enumerate(first):
             later = {_kind_key(classify(eqns[start + i * period + j].invars[p], i), values) for i in range(1, count)}
             if len(later) != 1:
-                raise NotRerolled(f"blocks read different values at equation {j} of a block")
+                raise NotRerolled(f"blocks read different values at equation {j} of a block "
+                                  f"({eqns[start + j].primitive.name}): per-block model state (each block's own "
+                                  "dropout RNG stream or batch statistics) or a per-block constant; the stages run "
+                                  "one block's program for every block, so blocks may differ in parameters only")
             (other,) = later
             if other == _kind_key(kind, values) and kind[0] != "carry":
                 row.append(kind)

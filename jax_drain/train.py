@@ -1302,8 +1302,8 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
                    "parameters) or a list of identical blocks the loss runs one after another, each reading its own "
                    "parameters and the block before it; the loss has neither")
         try:
-            blocks = find_block_stack(lambda p, b: _bound_axes(scalar, bound)((p, _abstract(model_state)), b),
-                                      _abstract(params), local)
+            blocks = find_block_stack(lambda p, st, b: _bound_axes(scalar, bound)((p, st), b), _abstract(params),
+                                      _abstract(model_state), local)
         except NotRerolled as e:
             raise ValueError(f"{neither}: its largest group of identical blocks, {e}") from None
         except Exception as e:

@@ -640,6 +640,49 @@ def test_a_list_of_blocks_is_stacked_over_the_stages_and_trains_like_one_device(
     assert np.isfinite(float(again(back, batches[STEPS + 1])[1].loss))
 
 
+class _DropBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(jnp.tanh(self.linear(x)))
+
+
+class _DropList(nnx.Module):
+    """A list of blocks with dropout: each block's RNG stream is its own model state, or the
+    blocks run in evaluation mode and only the head drops."""
+
+    def __init__(self, rngs, blocks_drop=True):
+        self.blocks = nnx.List([_DropBlock(rngs) for _ in range(4)])
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
+        if not blocks_drop:
+            for block in self.blocks:
+                block.dropout.deterministic = True
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.dropout(x))
+
+
+def test_a_list_of_blocks_reads_the_model_s_state_and_refuses_a_stream_per_block():
+    batch = {"x": jnp.asarray(np.random.default_rng(5).normal(size=(16, WIDTH)), jnp.float32)}
+    config = jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4)
+    loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)  # noqa: E731
+    step = jd.make_train_step(_DropList(nnx.Rngs(0), blocks_drop=False), loss, optax.sgd(0.1), _mesh((2, 4)), config,
+                              example_batch=batch)
+    state = step.init()
+    counts = [np.asarray(x) for x in jax.tree.leaves(state.model_state)]
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics.loss))
+    moved = [not np.array_equal(a, np.asarray(b)) for a, b in zip(counts, jax.tree.leaves(state.model_state))]
+    assert any(moved)  # the head's stream moved on
+    with pytest.raises(ValueError, match=r"blocks/\{0, 1, 2, 3\}: .*per-block model state"):
+        jd.make_train_step(_DropList(nnx.Rngs(0)), loss, optax.sgd(0.1), _mesh((2, 4)), config, example_batch=batch)
+
+
 def test_a_list_of_blocks_the_stages_cannot_run_stacked_is_refused_saying_why():
     """A mask that tells the identical blocks apart has no one entry for the stacked leaf; a
     block that reads another's parameters is not a copy of one block."""
