@@ -1027,6 +1027,30 @@ def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedu
 
 
 @pytest.mark.gpu_compile
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_list_of_blocks_compiles_to_the_scanned_stack_s_memory_on_the_gpu(schedule):
+    """Compile-only 8xH100, (data, stage) = (2, 4): the GPT written as a list of blocks, stacked
+    and rerolled by the step, gets XLA's buffer assignment of the same GPT written with
+    ``nnx.scan`` (temp and arguments), and its stage chain holds one bucket in flight."""
+    from jax_drain.planner.plan import plan
+    from jax_drain.planner.targets import gpu_mesh
+
+    memory, in_flight = {}, {}
+    for scan in (True, False):
+        config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=512, scan_layers=scan)
+        params, batch = models.abstract_params(config), models.example_batch(config, 16)
+        step = jd.make_train_step(params, models.make_loss(config), optax.adamw(1e-4), gpu_mesh((2, 4), ("data", "stage")),
+                                  jd.TrainConfig(stage_axis="stage", pipeline_microbatches=8, bucket_size=40_000,
+                                                 pipeline_schedule=schedule), example_batch=batch)
+        report = plan(step, step.abstract_state(), batch,
+                      compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 4})
+        memory[scan] = (report.temp_bytes, report.argument_bytes)
+        in_flight[scan] = report.chains_in_flight["expert"]
+    assert memory[False] == memory[True], memory
+    assert in_flight == {True: 1, False: 1}
+
+
+@pytest.mark.gpu_compile
 def test_with_xla_s_tensor_parallel_each_stage_s_chain_holds_one_bucket_in_flight_on_the_gpu_schedule():
     """Compile-only 8xH100, (data, stage, model) = (2, 2, 2), the scanned GPT's blocks split by
     Megatron's rule and partitioned by XLA (``tensor_parallel="gspmd"``), XLA allowed 4
