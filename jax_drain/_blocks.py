@@ -309,7 +309,8 @@ def _plan(jaxpr: Any, consts: Sequence[Any], groups: list[list[Any]]) -> _Plan:
                           "equations apart: they are not copies of one block")
     ordered = [groups[g] for g in order]
     leaf_of = {v: (i, m) for i, vars_ in enumerate(ordered) for m, v in enumerate(vars_)}
-    signatures = [_signature(e) for e in eqns]
+    memo: dict[int, tuple] = {}  # inner jaxprs' keys by id (one jit'd function's jaxpr is often shared)
+    signatures = [_signature(e, memo) for e in eqns]
     # Constants alike in value are one: each block may hold its own copy (a rotary table).
     values = {v: _const_key(c) for v, c in zip(jaxpr.constvars, consts)}
     best, refusal = None, NotRerolled("no window of equations repeats once per block")
@@ -463,19 +464,20 @@ def _read_after(v: Any, at: dict, leaf_of: dict, count: int, slots: list) -> Non
             slots.append((j, k))
 
 
-def _signature(eqn: Any) -> tuple:
-    params = tuple(sorted((name, _param_key(value)) for name, value in eqn.params.items()))
+def _signature(eqn: Any, memo: dict) -> tuple:
+    params = tuple(sorted((name, _param_key(value, memo)) for name, value in eqn.params.items()))
     # Operands by shape and dtype alone: a literal may stand where the other copies read a value
     # (the 0 a sum starts from; what each operand is, the chain check decides).
     ins = tuple(_aval_key(v.aval)[:2] for v in eqn.invars)
     return (eqn.primitive.name, params, ins, tuple(_aval_key(v.aval) for v in eqn.outvars), frozenset(eqn.effects))
 
 
-def _param_key(value: Any) -> Any:
+def _param_key(value: Any, memo: dict) -> Any:
     if isinstance(value, (tuple, list)):
-        return tuple(_param_key(x) for x in value)
-    if hasattr(value, "eqns") or hasattr(value, "jaxpr"):  # a (closed) jaxpr: by its text and constants
-        return ("jaxpr", str(value), tuple(_const_key(c) for c in getattr(value, "consts", ())))
+        return tuple(_param_key(x, memo) for x in value)
+    if hasattr(value, "eqns") or hasattr(value, "jaxpr"):  # a (closed) jaxpr: by its structure and constants
+        return ("jaxpr", _jaxpr_key(getattr(value, "jaxpr", value), memo),
+                tuple(_const_key(c) for c in getattr(value, "consts", ())))
     if (callable(value) and not isinstance(value, type)) or hasattr(value, "transforms"):  # lu.WrappedFun too
         return _code_key(value)
     try:
@@ -483,6 +485,24 @@ def _param_key(value: Any) -> Any:
         return value
     except TypeError:
         return ("repr", repr(value))
+
+
+def _jaxpr_key(jaxpr: Any, memo: dict) -> tuple:
+    """A jaxpr's structure: each equation's signature and where each operand comes from (an
+    input, a constant, an earlier output, by position; a literal by value)."""
+    if id(jaxpr) in memo:
+        return memo[id(jaxpr)][1]
+    where: dict[Any, tuple] = {v: ("in", k) for k, v in enumerate(jaxpr.invars)}
+    where.update((v, ("const", k)) for k, v in enumerate(jaxpr.constvars))
+    eqns = []
+    for n, eqn in enumerate(jaxpr.eqns):
+        sources = tuple(("literal", repr(v.val)) if is_literal(v) else where.get(v, ("free",)) for v in eqn.invars)
+        eqns.append((_signature(eqn, memo), sources))
+        where.update((v, ("eqn", n, k)) for k, v in enumerate(eqn.outvars))
+    outs = tuple(("literal", repr(v.val)) if is_literal(v) else where.get(v, ("free",)) for v in jaxpr.outvars)
+    key = (tuple(_aval_key(v.aval) for v in jaxpr.invars), tuple(eqns), outs)
+    memo[id(jaxpr)] = (jaxpr, key)  # the jaxpr kept alive with its key: its id stays its own
+    return key
 
 
 def _const_key(value: Any) -> tuple:

@@ -1310,11 +1310,11 @@ def _staged(config: TrainConfig, loss: Callable[..., tuple[Any, PyTree]], params
             raise ValueError(f"stage_axis: could not trace the loss to find its blocks: {type(e).__name__}: {e}") from e
         if blocks is None:
             raise ValueError(f"{neither} (no two of its parameter subtrees are alike)")
-        params, specs = blocks.stack(params), _stacked_specs(blocks, specs, params)
+        params, specs = blocks.stack(_abstract(params)), _stacked_specs(blocks, specs, params)
         loss = rerolled(loss, blocks)
-        scalar = lambda ps, b: split_output(loss(ps[0], ps[1], b, None)[0], has_aux=False, has_state=False).total  # noqa: E731
-        mask, state_mask = stacked_leaves(_bound_axes(scalar, bound), (_abstract(params), _abstract(model_state)),
-                                          local)
+        # The rerolled loss scans the stacked blocks' leaves and nothing else (no per-block state).
+        mask = blocks.stack(jax.tree.map(lambda _: False, blocks.unstack(params)), combine=lambda *_: True)
+        state_mask = jax.tree.map(lambda _: False, model_state)
     split = _split_over_stages(params, mask)
     layers = sorted({int(np.shape(x)[0]) for x, m in zip(jax.tree.leaves((params, model_state)),
                                                           jax.tree.leaves((mask, state_mask))) if m})
