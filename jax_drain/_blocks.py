@@ -588,9 +588,8 @@ class _Replay:
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
     def _scan(self, plan: _Plan, eqns: list, env: dict, read: Callable[[Any], Any]) -> None:
-        body_eqns = eqns[plan.start:plan.start + plan.period]
+        first = eqns[plan.start:plan.start + plan.period]  # the first copy: the scan's body
         slot_index = {s: n for n, s in enumerate(plan.slots)}
-        first = body_eqns
 
         def body(carry: list, layer: list) -> tuple[list, None]:
             local: dict[tuple[int, int], Any] = {}
