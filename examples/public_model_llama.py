@@ -20,6 +20,10 @@ default (ZeRO-1) and the parameters with ``--zero3`` (``TrainConfig(shard_params
 Inside the step the model's constraints keep their ``mp`` and lose the data axes, which the step
 has made manual: each device's block of ``xq`` is constrained to ``(None, None, "mp")``.
 
+``--stages 2`` adds a ``stage`` axis after ``dp`` and pipelines the model's blocks (a list,
+``transformer/h/0``..., each under EasyLM's ``nn.remat``: the step stacks them, a share per
+stage; each block's copy of the rotary table is one constant), in the ``--schedule`` given.
+
 The step is built and run inside ``with mesh:``, as EasyLM's own trainer does: without it the
 model applies none of its constraints (``--context none``: the same numbers, a program without
 them). ``jax.set_mesh`` will not do instead: EasyLM's helper reads only the mesh of ``with
@@ -134,6 +138,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mesh", default="4,1,2", help="sizes of EasyLM's mesh axes (dp, fsdp, mp)")
     parser.add_argument("--zero3", action="store_true", help="shard the parameters over the data axes (ZeRO-3)")
+    parser.add_argument("--stages", type=int, default=1, help="a stage axis of this size after dp (pipeline)")
+    parser.add_argument("--schedule", default="gpipe", help="the pipeline's schedule (with --stages)")
     parser.add_argument("--context", choices=sorted(CONTEXTS), default="with_mesh",
                         help="the mesh context the step is built and run in: with_mesh (EasyLM's trainer's), "
                              "or none, which leaves EasyLM's constraints out")
@@ -142,7 +148,7 @@ def main(argv=None):
     configurator = llama.LLaMAConfigurator
     config = configurator.finalize_config(configurator.get_default_config(dict(
         base_model="debug", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        num_hidden_layers=LAYERS * args.stages, num_attention_heads=HEADS, num_key_value_heads=HEADS,
         max_position_embeddings=SEQ)))
     module = llama.FlaxLLaMAForCausalLMModule(config, dtype=jnp.float32, param_dtype=jnp.float32)
 
@@ -160,11 +166,18 @@ def main(argv=None):
     rules = configurator.get_partition_rules()
     easylm_specs = utils.match_partition_rules(rules, variables)
     specs = without_axes(easylm_specs, DATA_AXES)
-    mesh = configurator.get_jax_mesh(args.mesh)  # ("dp", "fsdp", "mp")
+    pipeline = {}
+    if args.stages > 1:  # ("dp", "stage", "fsdp", "mp"): LLaMA's blocks h/0, h/1... stacked, a share per stage
+        dp, fsdp, mp = (int(n) for n in args.mesh.split(","))
+        devices = np.array(jax.devices()[:dp * args.stages * fsdp * mp]).reshape(dp, args.stages, fsdp, mp)
+        mesh = jax.sharding.Mesh(devices, ("dp", "stage", "fsdp", "mp"))  # Auto axes, as EasyLM's own mesh
+        pipeline = dict(stage_axis="stage", pipeline_microbatches=2 * args.stages, pipeline_schedule=args.schedule)
+    else:
+        mesh = configurator.get_jax_mesh(args.mesh)  # ("dp", "fsdp", "mp")
     decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # kernels and embeddings only
     tx = jd.adamw(LR, b2=B2, weight_decay=WD, mask=decay, max_norm=MAX_NORM)
     train_config = jd.TrainConfig(axis=DATA_AXES, param_specs=specs, tensor_parallel="gspmd",
-                                  shard_params=args.zero3, bucket_size=8192)
+                                  shard_params=args.zero3, bucket_size=8192, **pipeline)
     context = functools.partial(CONTEXTS[args.context], mesh)
     with context():  # with_mesh, as EasyLM's trainer: its constraints apply only under `with mesh:`
         step = jd.make_train_step(variables, loss_fn, tx, mesh, train_config, example_batch=data[0])

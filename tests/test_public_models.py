@@ -6,6 +6,11 @@ Transformer with ``nn.with_logical_partitioning``) from a flax source tree and t
 mesh; here its losses and parameters after 5 AdamW steps must be within the float32 rounding
 bounds of one-device optax, and every device must hold its own block of every sharded weight.
 
+With ``--stages 2`` the same lm1b runs on a ``stage`` axis: its decoder, a list of identical
+linen blocks, is stacked by the step, a share per stage (GPipe with ZeRO-1, 1F1B with ZeRO-3),
+within the same rounding bounds. So is EasyLM's LLaMA below, whose blocks (``h/0``...) are a
+list too, each under ``nn.remat``.
+
 ``examples/public_model_resnet.py`` imports Flax's ImageNet ``examples/imagenet/models.py`` (a
 linen ResNet whose BatchNorm layers average over the axis ``'batch'``) and trains ResNet18 with
 its ``batch_stats`` as mutable model state; its parameters and statistics must be within the
@@ -548,6 +553,36 @@ def test_easylm_llama_unchanged_keeps_its_constraints_and_trains_like_one_device
     assert float(resumed_metrics.loss) == float(going_metrics.loss)
     for a, b in zip(jax.tree.leaves(step.master_params(resumed)), jax.tree.leaves(step.master_params(going))):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.public_model
+@easylm_warnings
+@pytest.mark.parametrize("schedule,zero3", [("gpipe", False), ("1f1b", True)], ids=["zero1-gpipe", "zero3-1f1b"])
+def test_easylm_llama_blocks_unchanged_train_on_a_stage_axis_like_one_device_optax(easylm_source, schedule, zero3,
+                                                                                   cpu_devices):
+    """EasyLM's LLaMA keeps its blocks in a list (``transformer/h/0``..., each under its own
+    ``nn.remat``, each with its own copy of the rotary table): on ``(dp, stage, fsdp, mp)`` =
+    (2, 2, 1, 2), in its trainer's ``with mesh:``, the step stacks the four blocks, two per stage,
+    with XLA's tensor parallelism over 'mp' inside each stage; 5 AdamW steps stay within the
+    rounding bounds of one-device optax."""
+    ex = _example("public_model_llama")
+    args = ["--easylm", easylm_source, "--steps", "5", "--mesh", "2,1,2", "--stages", "2", "--schedule", schedule]
+    run = ex.main(args + ["--zero3"] * zero3)
+    step, data = run["step"], run["data"]
+    assert (step.stage_axis, step.pipeline_schedule, step.tensor_parallel) == ("stage", schedule, "gspmd")
+    if not zero3:  # two blocks per stage, each split over 'mp' as EasyLM's rules say
+        blocks = {k.replace("['", "").replace("']", "/").rstrip("/"): v for k, v in run["blocks"].items()}
+        stacked = "params/transformer/h/[0..3]"
+        assert blocks[f"{stacked}/attention/wq/kernel"] == ((4, 64, 64), (2, 64, 32))
+        assert blocks[f"{stacked}/attention_norm/kernel"] == ((4, 64), (2, 64))
+    want, want_losses, gradients = run["reference"]
+    params, batch = run["variables"], data[0]
+    additions = rounding_chain(jax.grad(run["loss_fn"]), params, batch) + 8 + 4
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params, b2=ex.B2,
+                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
+    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params after 5 AdamW steps")
+    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
 
 
 @pytest.mark.public_model
