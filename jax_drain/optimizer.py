@@ -74,6 +74,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_drain import _compat
+from jax_drain._blocks import BlockStack
 from jax_drain._jaxpr import call_body, is_literal
 from jax_drain._tx_check import Verdict, first_difference, host_unflatten, once_per_tx, random_steps, stepped, updates_on_tree
 from jax_drain.chain import GATHER_SCOPE, BucketChain, ChainedSync, check_flag
@@ -159,9 +160,9 @@ class FlatView:
     params: PyTree
     norm_axes: tuple[str, ...]
     manual: bool = True
-    #: A list of the model's blocks that ``params`` holds stacked (a
-    #: ``jax_drain._blocks.BlockStack``): masks are the model's, read on its own tree.
-    stacking: Any = None
+    #: A list of the model's blocks that ``params`` holds stacked: masks are the model's, read
+    #: on its own tree.
+    stacking: BlockStack | None = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatView) and other.key == self.key
@@ -412,7 +413,7 @@ def check_transform(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
 
 
 def transform_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: float = 1e-4,
-                    stacking: Any = None) -> Callable[[], None]:
+                    stacking: BlockStack | None = None) -> Callable[[], None]:
     """:func:`check_transform` prepared: traced and lowered, on any thread, with nothing run on a
     device. Calling the result compiles and runs the check on the calling thread, raising
     ``ValueError`` if ``tx`` is refused (a pass is remembered). What needs no run (the abstract
@@ -426,7 +427,7 @@ def transform_check(tx: optax.GradientTransformation, params: PyTree, *, rtol: f
 
 @once_per_tx
 def _flat_check(tx: optax.GradientTransformation, treedef: Any, shapes: tuple, rtol: float,
-                stacking: Any = None) -> Verdict:
+                stacking: BlockStack | None = None) -> Verdict:
     real = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     shrunk = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shrink(x.shape), jnp.float32), tree)  # noqa: E731
     if difference := _shape_dependence(tx, real, shrunk(real)):
@@ -582,7 +583,7 @@ def _shape_dependence(tx: optax.GradientTransformation, real: PyTree, shrunk: Py
 
 
 def _updates_on_shards(tx: optax.GradientTransformation, abstract: PyTree, layout: BucketLayout, start: PyTree,
-                       grads: Sequence[PyTree], stacking: Any = None) -> Callable[[], list]:
+                       grads: Sequence[PyTree], stacking: BlockStack | None = None) -> Callable[[], list]:
     """Each step's updates of ``tx`` run on the flat shards of ``layout``, split over
     ``_CHECK_DEVICES`` simulated devices (a ``vmap``), as ``[devices, shard]`` buckets
     (:func:`~jax_drain._tx_check.stepped`). The shards are cut on the host."""
@@ -654,8 +655,8 @@ class DistributedOptimizer:
             for a ``tx`` that runs per owner (``ownership="param"``), where a clip inside would
             see one owner's parameters only. ``None``: no clip.
         stacking: set by :func:`~jax_drain.make_train_step` where a stage axis stacked a list
-            of the model's blocks (a ``jax_drain._blocks.BlockStack``): the masks in ``tx`` are
-            the model's, read on its own tree, and ``tx`` is checked against that tree.
+            of the model's blocks: the masks in ``tx`` are the model's, read on its own tree,
+            and ``tx`` is checked against that tree.
 
     Inside ``jax.shard_map``: :meth:`init`, :meth:`update`, :meth:`gather_params`. Outside:
     :meth:`init_sharded`, :meth:`state_specs`, :meth:`abstract_state`, :meth:`check_state`,
@@ -670,7 +671,7 @@ class DistributedOptimizer:
         gather_max_in_flight: int | str | None = "sync",
         check_tx: bool = True,
         max_grad_norm: float | None = None,
-        stacking: Any = None,
+        stacking: BlockStack | None = None,
     ):
         if not isinstance(sync, ChainedSync):
             raise TypeError(f"sync must be a jax_drain.GradSync or jax_drain.ScanGradSync, got {type(sync).__name__}")
