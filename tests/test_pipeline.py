@@ -1027,7 +1027,7 @@ def test_each_stage_s_drained_chain_holds_one_bucket_in_flight_on_the_gpu_schedu
 
 
 @pytest.mark.gpu_compile
-def test_a_list_of_blocks_compiles_to_the_scanned_stack_s_memory_on_the_gpu(schedule="1f1b"):
+def test_a_list_of_blocks_compiles_to_the_scanned_stack_s_memory_on_the_gpu():
     """Compile-only 8xH100, (data, stage) = (2, 4), 1F1B: the GPT written as a list of blocks,
     stacked and rerolled by the step, gets XLA's buffer assignment of the same GPT written with
     ``nnx.scan`` (temp and arguments), and its stage chain holds one bucket in flight. (GPipe
@@ -1036,7 +1036,7 @@ def test_a_list_of_blocks_compiles_to_the_scanned_stack_s_memory_on_the_gpu(sche
     from jax_drain.planner.plan import plan
     from jax_drain.planner.targets import gpu_mesh
 
-    memory, in_flight = {}, {}
+    memory, in_flight, schedule = {}, {}, "1f1b"
     for scan in (True, False):
         config = models.GPTConfig(num_layers=4, d_model=256, num_heads=4, seq_len=64, vocab_size=512, scan_layers=scan)
         params, batch = models.abstract_params(config), models.example_batch(config, 16)
