@@ -708,8 +708,20 @@ def test_a_list_of_blocks_the_stages_cannot_run_stacked_is_refused_saying_why():
 
 
 def _stack_loss(params, batch):
-    h = jax.lax.scan(lambda h, w: (layer(h, w), None), batch["x"], params["layers"])[0]
+    if isinstance(params["layers"], list):  # a list of blocks, each with its own parameters
+        h = batch["x"]
+        for w in params["layers"]:
+            h = layer(h, w)
+    else:
+        h = jax.lax.scan(lambda h, w: (layer(h, w), None), batch["x"], params["layers"])[0]
     return jnp.mean((h @ params["head"]) ** 2)
+
+
+def _as_list(tree):
+    """A scanned stack's ``layers`` as a list of per-layer blocks (the same values)."""
+    layers = tree["layers"]
+    count = len(jax.tree.leaves(layers)[0])
+    return {**tree, "layers": [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)]}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -733,18 +745,21 @@ def test_a_non_finite_step_on_one_stage_s_rows_keeps_every_stage_s_state(schedul
                                                     jax.tree.leaves(before.opt_state)))
 
 
-@pytest.mark.parametrize("schedule,model_axis", [("gpipe", False), ("1f1b", False), ("gpipe", True)])
+@pytest.mark.parametrize("schedule,model_axis,blocks", [("gpipe", False, False), ("1f1b", False, False),
+                                                       ("gpipe", True, False), ("1f1b", False, True)])
 def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_back_what_zero1_does(schedule,
-                                                                                                  model_axis):
+                                                                                                  model_axis, blocks):
     """Each stage's chain carries its own residuals: over 30 SGD steps on (data, stage) = (2, 4),
     in either schedule, or on (data, stage, model) = (2, 2, 2) with the layers split over "model"
     by XLA (``tensor_parallel="gspmd"``), an int8 wire with error feedback lands closer to the
     fp32-accumulated step's parameters than without, and ZeRO-3 gives ZeRO-1's parameters and
-    residuals bit for bit (the same gradient, the same residual added to each bucket)."""
+    residuals bit for bit (the same gradient, the same residual added to each bucket). ``blocks``:
+    the layers as a list of blocks, which the step stacks."""
     rng = np.random.default_rng(4)
     params, _ = _problem(4)
     params = {"layers": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
               "head": jnp.asarray(rng.normal(size=(WIDTH, 2)), jnp.float32)}
+    params = _as_list(params) if blocks else params
     batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32)} for _ in range(30)]
 
     def final(**options):
@@ -761,7 +776,7 @@ def test_error_feedback_per_stage_brings_an_int8_wire_closer_and_zero3_feeds_bac
         state = step.init()
         for batch in batches:
             state, _ = step(state, batch)
-        got = step.master_params(state) if options.get("shard_params") else state.params
+        got = step.master_params(state) if options.get("shard_params") or blocks else state.params
         residuals = None if state.error_feedback is None else jax.tree.leaves(jax.device_get(state.error_feedback))
         return jax.tree.leaves(jax.device_get(got)), residuals
 
@@ -1089,7 +1104,12 @@ def _tp_layer(h, w, model_axis):
 
 def _tp_loss(model_axis):
     def loss(params, batch):
-        h = jax.lax.scan(lambda h, w: (_tp_layer(h, w, model_axis), None), batch["x"], params["layers"])[0]
+        if isinstance(params["layers"], list):  # a list of blocks, each with its own parameters
+            h = batch["x"]
+            for w in params["layers"]:
+                h = _tp_layer(h, w, model_axis)
+        else:
+            h = jax.lax.scan(lambda h, w: (_tp_layer(h, w, model_axis), None), batch["x"], params["layers"])[0]
         return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
 
     return loss
@@ -1122,21 +1142,23 @@ def _all_gather_groups(program: str) -> list[set[frozenset[int]]]:
 ACCUMULATED = dict(microbatches=2, pipeline_microbatches=3, split_leaves=True, bucket_size=100)
 
 
-@pytest.mark.parametrize("tensor_parallel,shard_params,schedule,extra", [
-    ("manual", False, "gpipe", {}), ("manual", True, "gpipe", {}), ("manual", False, "1f1b", {}),
-    ("manual", True, "1f1b", {}), ("gspmd", False, "gpipe", {}), ("declared", True, "gpipe", {}),
-    ("gspmd", True, "1f1b", {}), ("declared", False, "1f1b", {}),
-    ("manual", True, "gpipe", ACCUMULATED), ("gspmd", False, "1f1b", ACCUMULATED)])
+@pytest.mark.parametrize("tensor_parallel,shard_params,schedule,extra,blocks", [
+    ("manual", False, "gpipe", {}, False), ("manual", True, "gpipe", {}, False), ("manual", False, "1f1b", {}, False),
+    ("manual", True, "1f1b", {}, False), ("gspmd", False, "gpipe", {}, False), ("declared", True, "gpipe", {}, False),
+    ("gspmd", True, "1f1b", {}, False), ("declared", False, "1f1b", {}, False),
+    ("manual", True, "gpipe", ACCUMULATED, False), ("gspmd", False, "1f1b", ACCUMULATED, False),
+    ("manual", False, "1f1b", ACCUMULATED, True), ("gspmd", True, "gpipe", {}, True)])
 def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_parallel, shard_params, schedule, extra,
-                                                                  tmp_path):
+                                                                  blocks, tmp_path):
     """(data, stage, model) = (2, 2, 2): the stack's blocks split over "model" (their layer axis
     left to the stage axis), ZeRO-1 and ZeRO-3, GPipe and 1F1B, against one-device SGD. The
     tensor parallelism hand-written (``param_specs``, the blocks' own psum over "model", which
     1F1B's branches hold), or GSPMD: the same blocks on global shapes, the specs given with
     ``tensor_parallel="gspmd"`` or declared on the parameters; XLA partitions each stage's
     layers and gathers no weight over "model". ``extra``: gradient accumulation over two
-    pipeline runs, leaves split over buckets. A checkpoint of the state takes the next step bit
-    for bit as the state itself does."""
+    pipeline runs, leaves split over buckets. ``blocks``: the same layers as a list of blocks,
+    each with its own specs, which the step stacks. A checkpoint of the state takes the next step
+    bit for bit as the state itself does."""
     rng = np.random.default_rng(7)
     params = {"layers": {"up": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, 2 * WIDTH)) / 4, jnp.float32),
                          "down": jnp.asarray(rng.normal(size=(LAYERS, 2 * WIDTH, WIDTH)) / 6, jnp.float32)},
@@ -1144,6 +1166,9 @@ def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_paralle
     batches = [{"x": jnp.asarray(rng.normal(size=(8 * ROWS, WIDTH)), jnp.float32),
                 "y": jnp.asarray(rng.normal(size=(8 * ROWS, 1)), jnp.float32)} for _ in range(STEPS)]
     specs = {"layers": {"up": P(None, None, "model"), "down": P(None, "model", None)}, "head": P()}
+    if blocks:
+        params = _as_list(params)
+        specs = {"layers": [{"up": P(None, "model"), "down": P("model", None)}] * LAYERS, "head": P()}
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
     options = dict(stage_axis="stage", pipeline_microbatches=4, bucket_size=256, shard_params=shard_params,
                    pipeline_schedule=schedule) | extra
@@ -1157,7 +1182,7 @@ def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_paralle
     step = jd.make_train_step(given, loss, optax.sgd(0.05), mesh, config, example_batch=batches[0])
     assert step.tensor_parallel == ("manual" if tensor_parallel == "manual" else "gspmd")
     state = step.init()
-    if not shard_params:  # half the layers, half the columns
+    if not shard_params:  # half the layers, half the columns (a list of blocks: the list becomes the stack)
         assert {s.data.shape for s in state.params["layers"]["up"].addressable_shards} == {(LAYERS // 2, WIDTH, WIDTH)}
     if tensor_parallel != "manual":
         model_groups = {frozenset(d.id for d in row) for row in mesh.devices.reshape(-1, 2)}
@@ -1171,9 +1196,9 @@ def test_a_stage_axis_with_tensor_parallel_trains_like_one_device(tensor_paralle
     additions = (rounding_chain(jax.grad(loss), params, batches[0]) + 8 + options["pipeline_microbatches"]
                  + extra.get("microbatches", 0))
     bounds = sgd_rounding_bounds(gradients, additions=additions, learning_rate=0.05, params=params)
-    got = step.master_params(state) if shard_params else state.params
+    got = step.master_params(state) if shard_params or blocks else state.params
     assert_within(jax.device_get(got), want, bounds[-1],
-                  what=f"after {STEPS} steps ({tensor_parallel}, {shard_params=}, {schedule}, {extra})")
+                  what=f"after {STEPS} steps ({tensor_parallel}, {shard_params=}, {schedule}, {extra}, {blocks=})")
     jd.save_checkpoint(tmp_path / "ckpt", state)
     restored, _ = jd.restore_checkpoint(tmp_path / "ckpt", step.abstract_state())
     assert float(step(restored, batches[0])[1].loss) == float(step(state, batches[0])[1].loss)
