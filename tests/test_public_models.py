@@ -137,6 +137,21 @@ def _example(name: str = "public_model_lm1b"):
     return module
 
 
+def _assert_like_one_device_adamw(run, ex, trained, *, loss, params, micro_batches, what, b2=0.999, losses=True):
+    """The run's parameters (``trained``) and losses within the AdamW trajectory's float32
+    rounding bounds of one-device optax (``run["reference"]``): each step's gradient is the
+    one-device gradient's chain of roundings plus the sum over the 8 devices and over the
+    ``micro_batches`` each device sums."""
+    want, want_losses, gradients = run["reference"]
+    additions = rounding_chain(jax.grad(loss), params, run["data"][0]) + 8 + micro_batches
+    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params, b2=b2,
+                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
+    assert_within(trained, jax.device_get(want), bounds[-1], what=what)
+    if losses:
+        loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
+        assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+
+
 @pytest.mark.public_model
 @pytest.mark.parametrize("mesh", ["4,1,2", "2,2,2"], ids=["data4_tensor2", "data2_fsdp2_tensor2"])
 def test_flax_lm1b_transformer_unchanged_trains_like_one_device_optax(flax_source, mesh, cpu_devices):
@@ -171,15 +186,9 @@ def test_flax_lm1b_transformer_unchanged_trains_like_one_device_optax(flax_sourc
     if fsdp == 1:
         assert not [groups for groups, _ in gathers if spans(groups, "tensor")], gathers
 
-    # Losses and parameters within the AdamW trajectory's float32 rounding bounds of one-device optax.
-    want, want_losses, gradients = run["reference"]
-    params, batch = nn.meta.unbox(run["variables"]), run["data"][0]
-    additions = rounding_chain(jax.grad(run["mean_loss"]), params, batch) + 8 + 1
-    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params,
-                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
-    assert_within(jax.device_get(state.params), want, bounds[-1], what="lm1b params after 5 AdamW steps")
-    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
-    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    _assert_like_one_device_adamw(run, ex, jax.device_get(state.params), loss=run["mean_loss"],
+                                  params=nn.meta.unbox(run["variables"]), micro_batches=1,
+                                  what="lm1b params after 5 AdamW steps")
     assert run["losses"][-1] < run["losses"][0]
 
 
@@ -201,14 +210,9 @@ def test_flax_lm1b_blocks_unchanged_train_on_a_stage_axis_like_one_device_optax(
         stacked = "params/decoder/[encoderdecoderblock_0..encoderdecoderblock_3]"
         assert blocks[f"{stacked}/MlpBlock_0/Dense_0/kernel"] == ((4, 32, 64), (2, 32, 32))
         assert blocks[f"{stacked}/LayerNorm_0/scale"] == ((4, 32), (2, 32))
-    want, want_losses, gradients = run["reference"]
-    params, batch = nn.meta.unbox(run["variables"]), run["data"][0]
-    additions = rounding_chain(jax.grad(run["mean_loss"]), params, batch) + 8 + 4
-    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params,
-                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
-    assert_within(step.master_params(state), want, bounds[-1], what="lm1b params after 5 AdamW steps")
-    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
-    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    _assert_like_one_device_adamw(run, ex, step.master_params(state), loss=run["mean_loss"],
+                                  params=nn.meta.unbox(run["variables"]), micro_batches=4,
+                                  what="lm1b params after 5 AdamW steps")
 
 
 @pytest.mark.public_model
@@ -522,17 +526,8 @@ def test_easylm_llama_unchanged_keeps_its_constraints_and_trains_like_one_device
     activations = [line for line in program.splitlines() if blocks_of_the_batch.search(line)]
     assert not [line for line in activations if '"dp"' in line or '"fsdp"' in line], activations
 
-    # Losses and parameters within the AdamW trajectory's float32 rounding bounds of one-device
-    # optax: each step's gradient is the one-device gradient's chain of roundings plus the sum
-    # over the 8 devices and the mean's division.
-    want, want_losses, gradients = run["reference"]
-    params, batch = run["variables"], data[0]
-    additions = rounding_chain(jax.grad(run["loss_fn"]), params, batch) + 8 + 1
-    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params, b2=ex.B2,
-                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
-    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params after 5 AdamW steps")
-    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
-    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    _assert_like_one_device_adamw(run, ex, run["trained"], loss=run["loss_fn"], params=run["variables"],
+                                  micro_batches=1, b2=ex.B2, what="EasyLM LLaMA params after 5 AdamW steps")
     assert run["losses"][-1] < run["losses"][0]
 
     # A checkpoint of the trained state, restored into the step's layout, is the state bit for
@@ -568,21 +563,15 @@ def test_easylm_llama_blocks_unchanged_train_on_a_stage_axis_like_one_device_opt
     ex = _example("public_model_llama")
     args = ["--easylm", easylm_source, "--steps", "5", "--mesh", "2,1,2", "--stages", "2", "--schedule", schedule]
     run = ex.main(args + ["--zero3"] * zero3)
-    step, data = run["step"], run["data"]
+    step = run["step"]
     assert (step.stage_axis, step.pipeline_schedule, step.tensor_parallel) == ("stage", schedule, "gspmd")
     if not zero3:  # two blocks per stage, each split over 'mp' as EasyLM's rules say
         blocks = {k.replace("['", "").replace("']", "/").rstrip("/"): v for k, v in run["blocks"].items()}
         stacked = "params/transformer/h/[0..3]"
         assert blocks[f"{stacked}/attention/wq/kernel"] == ((4, 64, 64), (2, 64, 32))
         assert blocks[f"{stacked}/attention_norm/kernel"] == ((4, 64), (2, 64))
-    want, want_losses, gradients = run["reference"]
-    params, batch = run["variables"], data[0]
-    additions = rounding_chain(jax.grad(run["loss_fn"]), params, batch) + 8 + 4
-    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=params, b2=ex.B2,
-                                  max_norm=ex.MAX_NORM, weight_decay=ex.WD)
-    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params after 5 AdamW steps")
-    loss_bounds = loss_rounding_bounds(want_losses, gradients, bounds, additions=additions)
-    assert np.all(np.abs(np.asarray(run["losses"]) - want_losses) <= loss_bounds), (run["losses"], want_losses)
+    _assert_like_one_device_adamw(run, ex, run["trained"], loss=run["loss_fn"], params=run["variables"],
+                                  micro_batches=4, b2=ex.B2, what="EasyLM LLaMA params after 5 AdamW steps")
 
 
 @pytest.mark.public_model
@@ -596,8 +585,5 @@ def test_easylm_llama_constraints_need_its_trainers_mesh_context(easylm_source, 
     with run["context"]():
         program = run["step"].lower(run["state"], run["data"][0]).as_text()
     assert _model_constraints(program) == {"hidden": [], "attention": []}
-    want, want_losses, gradients = run["reference"]
-    additions = rounding_chain(jax.grad(run["loss_fn"]), run["variables"], run["data"][0]) + 8 + 1
-    bounds = adam_rounding_bounds(gradients, additions=additions, learning_rate=ex.LR, params=run["variables"],
-                                  b2=ex.B2, max_norm=ex.MAX_NORM, weight_decay=ex.WD)
-    assert_within(run["trained"], jax.device_get(want), bounds[-1], what="EasyLM LLaMA params, no mesh context")
+    _assert_like_one_device_adamw(run, ex, run["trained"], loss=run["loss_fn"], params=run["variables"],
+                                  micro_batches=1, b2=ex.B2, losses=False, what="EasyLM LLaMA params, no mesh context")
