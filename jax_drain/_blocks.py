@@ -54,7 +54,7 @@ class BlockStack(NamedTuple):
         :func:`members_of_key` reads back): ``"[0..7]"`` or ``"[block_0..block_7]"`` for a
         numbered run, else ``"[a,b,c]"``."""
         names = [str(m) for m in self.members]
-        if _numbered(names[0]) and _members_of_range(names[0], names[-1]) == names:
+        if _members_of_range(names[0], names[-1]) == names:
             return f"[{names[0]}..{names[-1]}]"
         return "[" + ",".join(names) + "]"
 
@@ -160,7 +160,7 @@ class BlockPaths:
         out = {}
         for path, (shape, *rest) in shapes.items():
             parts = path.split("/")
-            stacked = [(k, members_of_key(seg)) for k, seg in enumerate(parts) if members_of_key(seg)]
+            stacked = [(k, members) for k, members in enumerate(map(members_of_key, parts)) if members]
             if not stacked or not shape or len(stacked[0][1]) != shape[0]:
                 out[path] = (tuple(shape), *rest)
                 continue
@@ -223,8 +223,7 @@ def find_block_stack(loss: Callable[[PyTree, Any], Any], params: PyTree, *args: 
     if not candidates:
         return None
     candidate = candidates[0]
-    leaves, treedef = jax.tree.flatten(params)
-    closed = jax.make_jaxpr(lambda ls, a: loss(jax.tree.unflatten(treedef, ls), *a))(leaves, args)
+    closed = jax.make_jaxpr(loss)(params, *args)  # inputs: params' leaves, then the args'
     try:
         plan = _plan(closed.jaxpr, closed.consts, _groups(candidate, _leaf_keys(params), closed.jaxpr.invars))
     except NotRerolled as e:
@@ -245,17 +244,10 @@ def rerolled(loss: Callable[..., Any], stack: BlockStack) -> Callable[..., Any]:
         # axis's rewriter refuses one), evaluated with the other leaves' values.
         params = stack.unstack(jax.tree.map(_abstract, stacked_params))
         values = jax.tree.leaves(stack.unstack(stacked_params, row=lambda x, i: _NO_VALUE))
-        leaves, treedef = jax.tree.flatten(params)
-        flat_args, args_tree = jax.tree.flatten(args)
-
-        def flat_loss(*flat: Any) -> Any:
-            return loss(jax.tree.unflatten(treedef, flat[:len(leaves)]),
-                        *jax.tree.unflatten(args_tree, flat[len(leaves):]))
-
-        closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves, *flat_args)
+        closed, out_shape = jax.make_jaxpr(loss, return_shape=True)(params, *args)
         groups = _groups(stack, _leaf_keys(params), closed.jaxpr.invars)
         outs = _Replay(groups, jax.tree.leaves(stack.stacked(stacked_params))).eval(
-            closed.jaxpr, closed.consts, [*values, *flat_args])
+            closed.jaxpr, closed.consts, [*values, *jax.tree.leaves(args)])
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped
@@ -293,7 +285,7 @@ def _plan(jaxpr: Any, consts: Sequence[Any], groups: list[list[Any]]) -> _Plan:
     ``consts``: the values of its constvars."""
     eqns = jaxpr.eqns
     first = _first_reads(jaxpr, groups)
-    holder = _holder(jaxpr, groups)
+    holder = _holder(jaxpr, first)
     if holder is not None:
         eqn = eqns[holder]
         inner, inner_consts = call_body(eqn, PLAIN_CALLS)
@@ -344,11 +336,12 @@ def _first_reads(jaxpr: Any, groups: list[list[Any]]) -> dict[int, int]:
     return first
 
 
-def _holder(jaxpr: Any, groups: list[list[Any]]) -> int | None:
-    """The plain call (``jit``) that first reads every group, if one does."""
-    first = set(_first_reads(jaxpr, groups).values())
-    if len(first) == 1:
-        (n,) = first
+def _holder(jaxpr: Any, first: dict[int, int]) -> int | None:
+    """The plain call (``jit``) that first reads every group (``first``: :func:`_first_reads`),
+    if one does."""
+    reads = set(first.values())
+    if len(reads) == 1:
+        (n,) = reads
         if call_body(jaxpr.eqns[n], PLAIN_CALLS) is not None:
             return n
     return None
@@ -558,7 +551,7 @@ class _Replay:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         read = lambda v: v.val if is_literal(v) else env[v]  # noqa: E731
-        holder = _holder(jaxpr, self.groups)
+        holder = _holder(jaxpr, _first_reads(jaxpr, self.groups))
         if holder is not None:  # the call holding every block: its body replayed in line
             for n, eqn in enumerate(jaxpr.eqns):
                 if n == holder:
@@ -584,8 +577,7 @@ class _Replay:
     @staticmethod
     def _bind(eqn: Any, invals: list) -> list:
         with _compat.eqn_context(eqn):
-            outs = _compat.bind_eqn(eqn, invals)
-        return list(outs) if eqn.primitive.multiple_results else [outs]
+            return _compat.bind_eqn(eqn, invals)
 
     def _scan(self, plan: _Plan, eqns: list, env: dict, read: Callable[[Any], Any]) -> None:
         first = eqns[plan.start:plan.start + plan.period]  # the first copy: the scan's body

@@ -117,12 +117,14 @@ def bound_axis_sizes() -> dict:
     return dict(get_env().axis_sizes)
 
 
-def bind_eqn(eqn: Any, invals: list) -> Any:
-    """Re-binds a jaxpr equation's primitive to new inputs, as ``jax.core.eval_jaxpr`` does; a
-    ``pvary`` of an input that already varies along some of its axes casts along the others."""
+def bind_eqn(eqn: Any, invals: list) -> list:
+    """Re-binds a jaxpr equation's primitive to new inputs, as ``jax.core.eval_jaxpr`` does, and
+    returns its outputs as a list; a ``pvary`` of an input that already varies along some of its
+    axes casts along the others."""
     if eqn.primitive.name == "pvary" and len(invals) == 1:
-        return mark_varying(invals[0], tuple(eqn.params["axes"]))
-    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        return [mark_varying(invals[0], tuple(eqn.params["axes"]))]
+    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 @contextlib.contextmanager

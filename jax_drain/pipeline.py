@@ -823,9 +823,8 @@ def _one_f_one_b_loss(traced: _Traced, has_state: bool, accum_dtype: Any, *, loc
         read = [k for k, used in zip(every, _jaxpr.used_inputs(probe.jaxpr)) if used and _inexact(leaves[k])]
         # A complex constant no parameter reaches (a rotary table) is closed over, not differentiated.
         kept = [None if f else c for c, f in zip(constants, fixed)]
-        closed = [c if f else None for c, f in zip(constants, fixed)]
-        with_closed = lambda cs: [k if f else c for c, k, f in zip(cs, closed, fixed)]  # noqa: E731
-        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, with_closed(p[1])),
+        with_fixed = lambda cs: [c if f else k for c, k, f in zip(constants, cs, fixed)]  # noqa: E731
+        result = one_f_one_b(lambda p, x, s=(): stage_fn(p[0], x, s, with_fixed(p[1])),
                              _vary_inexact((layers, kept), traced.axis), inputs, head_of(read),
                              [base[k] for k in read], axis=traced.axis, side=traced.split(side) if side else None,
                              accum_dtype=accum_dtype, lockstep=lockstep)
@@ -933,7 +932,6 @@ class _StackRewriter:
                     outs = self._rewrite(eqn, invals, hits, batch)
                 else:
                     outs = _compat.bind_eqn(eqn, invals)
-                    outs = outs if eqn.primitive.multiple_results else [outs]
                     tracked.update(layerwise_outputs(eqn, hits))
             if any(v in batch for v in operands):
                 batch.update(eqn.outvars)
@@ -1003,7 +1001,7 @@ class _StackRewriter:
             operands, given, rows = [], iter(consts), iter(side)
             for k in range(num_consts):
                 operands.append(next(rows) if k in side_at else next(given))
-            return list(_compat.bind_eqn(body, [*operands, *x, *layers])[:num_carry])
+            return _compat.bind_eqn(body, [*operands, *x, *layers])[:num_carry]
 
         self.stack = _Stack(stage_fn, list(invals[first_xs:]), constants, list(carry), [invals[k] for k in side_at])
         carried = self.run(self.stack)

@@ -607,13 +607,7 @@ def stacked_leaves(loss_fn: Callable[..., Any], params: PyTree, *example_args: A
         (True, False)
     """
     leaves, treedef = jax.tree.flatten(params)
-    flat_args, args_tree = jax.tree.flatten(example_args)
-
-    def flat_loss(*flat):
-        args = jax.tree.unflatten(args_tree, flat[len(leaves):])
-        return loss_fn(jax.tree.unflatten(treedef, flat[:len(leaves)]), *args)
-
-    closed = jax.make_jaxpr(flat_loss)(*leaves, *flat_args)
+    closed = jax.make_jaxpr(loss_fn)(params, *example_args)  # inputs: params' leaves, then the args'
     position = {v: i for i, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
     found: set[int] = set()
     _find_scanned(closed.jaxpr, position, found)
@@ -681,7 +675,6 @@ class _ScanRewriter:
                     outs = self._rewrite(eqn, invals, hits, tracked)
                 else:
                     outs = _compat.bind_eqn(eqn, invals)
-                    outs = outs if eqn.primitive.multiple_results else [outs]
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]

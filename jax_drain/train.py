@@ -1371,16 +1371,14 @@ def _stacked_specs(blocks: BlockStack, specs: PyTree | None, params: PyTree) -> 
     which every block must share, behind the new (layer) axis."""
     if specs is None:
         return None
-    full = jax.tree.unflatten(jax.tree.structure(params), leaf_specs(params, specs))
-    parent = full
-    for key in blocks.parent:
-        parent = parent[key]
-    rows = [jax.tree.leaves(parent[m], is_leaf=lambda x: isinstance(x, P)) for m in blocks.members]
-    for member, row in zip(blocks.members[1:], rows[1:]):
-        if row != rows[0]:
-            raise ValueError(f"stage_axis: block {member!r} is sharded {row}, block {blocks.members[0]!r} "
-                             f"{rows[0]}: the stage axis stacks the blocks, which must then be sharded alike")
-    return blocks.stack(full, combine=lambda *ss: P(None, *ss[0]))
+
+    def one(*block_specs: P) -> P:
+        if len(set(block_specs)) > 1:
+            raise ValueError(f"stage_axis: the blocks {blocks.describe()} are sharded unalike ({list(block_specs)}); "
+                             "the stage axis stacks them, which must then be sharded alike")
+        return P(None, *block_specs[0])
+
+    return blocks.stack(jax.tree.unflatten(jax.tree.structure(params), leaf_specs(params, specs)), combine=one)
 
 
 def _split_over_stages(params: PyTree, stacked: PyTree) -> PyTree:

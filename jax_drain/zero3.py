@@ -445,7 +445,6 @@ class _GatherReplay:
                 invals = [_as_traced(v, read(v)) for v in eqn.invars]
                 with _compat.eqn_context(eqn):
                     outs = _compat.bind_eqn(eqn, invals)
-                outs = outs if eqn.primitive.multiple_results else [outs]
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
             self._used([x for x in outs if hasattr(x, "aval")])
