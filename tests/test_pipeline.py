@@ -706,6 +706,20 @@ def test_a_list_of_blocks_the_stages_cannot_run_stacked_is_refused_saying_why():
         jd.make_train_step(models.GPT(config, rngs=nnx.Rngs(0)), tied, optax.sgd(0.1), _mesh((2, 4)), stage,
                            example_batch=batch)
 
+    # Blocks sharded unalike have no one spec for the stacked leaf.
+    rng = np.random.default_rng(9)
+    params = _as_list({"layers": {"up": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, WIDTH)), jnp.float32),
+                                  "down": jnp.asarray(rng.normal(size=(LAYERS, WIDTH, WIDTH)), jnp.float32)},
+                       "head": jnp.asarray(rng.normal(size=(WIDTH, 1)), jnp.float32)})
+    specs = {"layers": [{"up": P(None, "model"), "down": P("model", None)}] * (LAYERS - 1)
+             + [{"up": P("model", None), "down": P(None, "model")}], "head": P()}
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
+    xy = {"x": jnp.ones((8 * ROWS, WIDTH), jnp.float32), "y": jnp.ones((8 * ROWS, 1), jnp.float32)}
+    with pytest.raises(ValueError, match="sharded unalike"):
+        jd.make_train_step(params, _tp_loss("model"), optax.sgd(0.1), mesh,
+                           jd.TrainConfig(stage_axis="stage", pipeline_microbatches=4, param_specs=specs),
+                           example_batch=xy)
+
 
 def _stack_loss(params, batch):
     if isinstance(params["layers"], list):  # a list of blocks, each with its own parameters
