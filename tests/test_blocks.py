@@ -14,7 +14,7 @@ import pytest
 
 from jax_drain import _blocks
 
-from helpers import assert_within
+from helpers import assert_within, rounding_bound, rounding_chain
 
 EPS64 = 2.0 ** -52
 WIDTH, ROWS, LAYERS = 6, 5, 4
@@ -53,10 +53,10 @@ def _x(seed=1):
 
 
 def _bound(loss, params, x, value):
-    """The rounding of the loss's equations, in float64: each equation at most one rounding of
-    the largest magnitude it meets (the scan changes where XLA fuses, not what is computed)."""
-    equations = len(jax.make_jaxpr(loss)(params, x).jaxpr.eqns) + LAYERS * 16
-    return equations * EPS64 * max(1.0, float(np.max(np.abs(value))))
+    """Two float64 evaluations of the loss and its gradient that sum in other orders (the scan
+    changes where XLA fuses, not what is computed): the roundings on the gradient's longest chain,
+    at ``value``'s own largest magnitude (a mean of squares; per leaf, its largest gradient)."""
+    return rounding_bound(rounding_chain(jax.grad(loss), params, x), np.max(np.abs(np.asarray(value))), EPS64)
 
 
 def test_the_rerolled_loss_and_its_gradient_equal_the_loss_as_written():
